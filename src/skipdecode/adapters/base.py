@@ -1,0 +1,129 @@
+"""Architecture adapters: drive the stock Hugging Face decoder layers, never copy their forward.
+
+An adapter exposes the four pieces SkipDecode's one layer loop (:mod:`skipdecode.forward`) needs:
+``embed`` (token + position embeddings), ``layer_inputs`` (per-step extras such as rotary
+``position_embeddings``), ``run_layer`` (one stock decoder layer) and ``head`` (the model's own
+tail: final norm, any output projection, LM head). It never writes the HF config (PITFALLS 3).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+__all__ = ["Adapter", "ADAPTERS", "register", "get_adapter", "supported_model_types", "UnsupportedArchitectureError"]
+
+
+class UnsupportedArchitectureError(ValueError):
+    """Raised for a ``config.model_type`` with no registered adapter; lists the supported ones."""
+
+
+class Adapter:
+    """Base class. Subclasses set ``model_types`` and implement the hooks below.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` model.
+
+    Attributes:
+        model: the wrapped model (never modified).
+        layers: the stock decoder layers, ``num_layers`` of them.
+        num_layers: L (layers).
+        max_positions: longest sequence the model's positions support (tokens), or None.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers: nn.ModuleList = self._layers()
+        self.num_layers = len(self.layers)
+        cfg = model.config
+        self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        # Mistral-style sliding-window attention, enforced by our own mask (None: full attention).
+        window = getattr(cfg, "sliding_window", None)
+        self.sliding_window: int | None = window if window and getattr(cfg, "use_sliding_window", True) else None
+        # transformers renamed the layers' cache argument from `past_key_values` to `cache`
+        # (5.2x); pass whichever the installed version's layer accepts.
+        params = inspect.signature(type(self.layers[0]).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _layers(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings (B, T, C) for ``input_ids`` (B, T) at ``position_ids`` (B, T)."""
+        raise NotImplementedError
+
+    def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        """Extra keyword arguments every decoder layer gets for this forward (default: none)."""
+        return {}
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) from the last hidden state (B, T, C): final norm, projections, LM head."""
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------
+    def run_layer(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+        extra: dict[str, Any],
+    ) -> torch.Tensor:
+        """Run stock decoder layer ``layer_idx`` on ``hidden`` (B, T, C) -> (B, T, C).
+
+        ``attention_mask`` is the additive 4-D mask (B, 1, T, K); ``cache`` is a
+        :class:`skipdecode.cache.SkipCache` (or None in training) that the layer's attention
+        updates through the HF ``Cache.update`` contract.
+        """
+        kwargs = dict(extra)
+        kwargs[self._cache_kw] = cache
+        out = self.layers[layer_idx](hidden, attention_mask=attention_mask, use_cache=cache is not None, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(num_key_value_heads, head_dim) of every layer's cache entries."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        return kv_heads, head_dim
+
+
+ADAPTERS: dict[str, type[Adapter]] = {}
+
+
+def register(cls: type[Adapter]) -> type[Adapter]:
+    """Class decorator: register ``cls`` for each of its ``model_types``."""
+    for model_type in cls.model_types:
+        ADAPTERS[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    """Sorted list of ``config.model_type`` values with an adapter."""
+    return sorted(ADAPTERS)
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    """Build the adapter for ``model`` from ``model.config.model_type``.
+
+    Raises:
+        UnsupportedArchitectureError: the model type has no adapter (message lists the
+            supported ones).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    cls = ADAPTERS.get(model_type)
+    if cls is None:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} is not supported; supported architectures: "
+            f"{', '.join(supported_model_types())}"
+        )
+    return cls(model)

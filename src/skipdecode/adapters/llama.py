@@ -1,0 +1,35 @@
+"""Llama family adapter (llama, mistral, qwen2; SmolLM2 is llama): rotary positions, pre-norm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import Adapter, register
+
+
+@register
+class LlamaAdapter(Adapter):
+    """Adapter for ``LlamaForCausalLM``-shaped models (``model.model.layers``, ``rotary_emb``)."""
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+    def _layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, T, C); positions enter through rotary embeddings per layer."""
+        return self.model.model.embed_tokens(input_ids)
+
+    def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        """Rotary ``(cos, sin)`` for ``position_ids`` (B, T), computed once per forward."""
+        return {
+            "position_embeddings": self.model.model.rotary_emb(hidden, position_ids=position_ids),
+            "position_ids": position_ids,
+        }
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm then the LM head: (B, T, C) -> (B, T, V)."""
+        return self.model.lm_head(self.model.model.norm(hidden))

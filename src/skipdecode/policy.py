@@ -1,0 +1,255 @@
+"""Skip policies: which layers run at each decode step (SkipDecode, arXiv 2307.02628, Sec. 3).
+
+Pure Python, no torch. A policy maps a decode ``step`` (index of the generated token, see
+METHOD.md: step 0 is produced by the full-depth prefill, decode step t >= 1 feeds generated token
+t-1) to the tuple of ``active_layers`` (0-indexed layer indices, ascending). Three rules hold for
+every policy here (tested with hypothesis):
+
+1. the plan depends only on the step, never on token content (one plan per batch step);
+2. ``active_layers(t + 1)`` is a subset of ``active_layers(t)``, so the exit point never increases;
+3. the bottom ``warmup_layers`` and the top ``e(t) - warmup_layers`` layers run; the last layer
+   always runs, and the model's own final norm and LM head follow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "SkipPolicy",
+    "FullPolicy",
+    "LinearDecayPolicy",
+    "for_speedup",
+    "policy_from_dict",
+    "theoretical_speedup",
+]
+
+
+@runtime_checkable
+class SkipPolicy(Protocol):
+    """Protocol every policy implements.
+
+    Attributes:
+        num_layers: L, the number of decoder layers of the model (layers).
+    """
+
+    num_layers: int
+
+    def active_layers(self, step: int) -> tuple[int, ...]:
+        """Layer indices (ascending, 0-indexed) run at decode ``step`` (>= 0)."""
+
+    def budget(self, step: int) -> int:
+        """Number of layers e(t) run at decode ``step`` (== len(active_layers(step)))."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable description, inverse of :func:`policy_from_dict`."""
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+
+
+@dataclass(frozen=True)
+class FullPolicy:
+    """Run every layer at every step (the 1x baseline and the reference for correctness).
+
+    Args:
+        num_layers: L (layers), >= 1.
+
+    Raises:
+        ValueError: ``num_layers`` is not a positive integer.
+    """
+
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, 1)
+
+    def active_layers(self, step: int) -> tuple[int, ...]:
+        """All layers ``(0, ..., L-1)`` for any ``step`` >= 0; raises ValueError on a bad step."""
+        _check_step(step)
+        return tuple(range(self.num_layers))
+
+    def budget(self, step: int) -> int:
+        """Always L (layers)."""
+        _check_step(step)
+        return self.num_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"type": "full", "num_layers": L}``."""
+        return {"type": "full", "num_layers": self.num_layers}
+
+
+@dataclass(frozen=True)
+class LinearDecayPolicy:
+    """SkipDecode's linear-decay schedule (METHOD.md "The schedule"; paper Sec. 3.2).
+
+    ``e(t) = clamp(round_half_up(max_layers - (max_layers - min_layers) * t / horizon),
+    min_layers, max_layers)`` and ``active(t) = {0..w-1} U {L-(e(t)-w) .. L-1}`` with
+    ``w = warmup_layers``. Arithmetic is exact (``fractions.Fraction``), so rounding never
+    depends on float error.
+
+    Args:
+        num_layers: L, decoder layers of the model, >= 2.
+        max_layers: e_max, budget at step 0 (layers), ``min_layers <= max_layers <= L``.
+        min_layers: e_min, floor of the budget (layers), ``warmup_layers < min_layers``.
+        warmup_layers: w, bottom layers that always run (default 1), ``0 <= w < min_layers``
+            so that the last layer always runs.
+        horizon: T, decode steps over which the budget decays from e_max to e_min (tokens);
+            the paper sets it to the median target length of the training data. >= 1.
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and the allowed range.
+    """
+
+    num_layers: int
+    max_layers: int
+    min_layers: int
+    warmup_layers: int = 1
+    horizon: int = 32
+
+    def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, 1)
+        _check_int("max_layers", self.max_layers, 1, self.num_layers)
+        _check_int("min_layers", self.min_layers, 1, self.max_layers)
+        _check_int("warmup_layers", self.warmup_layers, 0)
+        if self.warmup_layers >= self.min_layers:
+            raise ValueError(
+                f"warmup_layers must be < min_layers ({self.min_layers}) so that the top layer "
+                f"always runs, got {self.warmup_layers}"
+            )
+        _check_int("horizon", self.horizon, 1)
+
+    def budget(self, step: int) -> int:
+        """e(t): number of layers run at decode ``step`` (layers). Raises ValueError on bad step."""
+        _check_step(step)
+        return _budget(self.max_layers, self.min_layers, self.horizon, step)
+
+    def active_layers(self, step: int) -> tuple[int, ...]:
+        """Ascending layer indices run at ``step``: warm-up block then the top ``e(t)-w`` layers."""
+        e = self.budget(step)
+        w = self.warmup_layers
+        return tuple(range(w)) + tuple(range(self.num_layers - (e - w), self.num_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"type": "linear_decay", ...fields}`` (JSON-serialisable)."""
+        return {"type": "linear_decay", **asdict(self)}
+
+    def expected_speedup(self, num_steps: int) -> float:
+        """Theoretical speedup L * n / sum_{t=1..n} e(t) over decode steps 1..``num_steps``.
+
+        METHOD.md "Target speedup"; token 0 comes from the full-depth prefill and is excluded.
+        Raises ValueError if ``num_steps`` < 1.
+        """
+        _check_int("num_steps", num_steps, 1)
+        total = sum(self.budget(t) for t in range(1, num_steps + 1))
+        return self.num_layers * num_steps / total
+
+
+@lru_cache(maxsize=65536)
+def _budget(max_layers: int, min_layers: int, horizon: int, step: int) -> int:
+    x = Fraction(max_layers) - Fraction((max_layers - min_layers) * step, horizon)
+    rounded = math.floor(x + Fraction(1, 2))  # round half up, monotone in x
+    return max(min_layers, min(max_layers, rounded))
+
+
+def for_speedup(
+    num_layers: int,
+    speedup: float,
+    horizon: int,
+    *,
+    warmup_layers: int = 1,
+    spread: float = 0.4,
+) -> LinearDecayPolicy | FullPolicy:
+    """Pick ``max_layers``/``min_layers`` for a target ``speedup`` (METHOD.md "Target speedup").
+
+    The mean budget ``(e_max + e_min) / 2`` is set to ``L / speedup`` and the two bounds sit
+    ``spread`` of that mean above and below it: ``e_max = round(mean * (1 + spread))``,
+    ``e_min = 2 * mean - e_max`` (so the mean is kept), then clamped to
+    ``[warmup_layers + 1, L]``. For L = 30 this gives 2x -> (21, 9) and 3x -> (14, 6), the
+    settings probed in METHOD.md. A speedup of 1 returns :class:`FullPolicy`.
+
+    Args:
+        num_layers: L (layers).
+        speedup: target ratio of full-depth to skipped compute, >= 1.
+        horizon: T (tokens), see :class:`LinearDecayPolicy`.
+        warmup_layers: w (layers).
+        spread: relative half-width of the schedule, in [0, 1).
+
+    Raises:
+        ValueError: ``speedup`` < 1 or not finite, or a speedup so large that the mean budget
+            falls below ``warmup_layers + 1`` layers; other fields as in LinearDecayPolicy.
+    """
+    _check_int("num_layers", num_layers, 1)
+    if not isinstance(speedup, (int, float)) or not math.isfinite(speedup) or speedup < 1:
+        raise ValueError(f"speedup must be a finite number >= 1, got {speedup!r}")
+    if not 0 <= spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread!r}")
+    if speedup == 1:
+        return FullPolicy(num_layers)
+    mean = num_layers / speedup
+    floor = warmup_layers + 1
+    if mean < floor:
+        raise ValueError(
+            f"speedup must be <= {num_layers / floor:.2f} for num_layers={num_layers} and "
+            f"warmup_layers={warmup_layers} (at least {floor} layers per step), got {speedup}"
+        )
+    e_max = min(num_layers, math.floor(mean * (1 + spread) + 0.5))
+    e_min = max(floor, math.floor(2 * mean - e_max + 0.5))
+    e_min = min(e_min, e_max)
+    return LinearDecayPolicy(
+        num_layers=num_layers,
+        max_layers=e_max,
+        min_layers=e_min,
+        warmup_layers=warmup_layers,
+        horizon=horizon,
+    )
+
+
+def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:
+    """Rebuild a policy from :meth:`to_dict` output (e.g. a checkpoint's ``skipdecode.json``).
+
+    Raises:
+        ValueError: unknown ``type`` (lists the known ones) or invalid fields.
+    """
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"policy must be a dict with a 'type' key, got {data!r}")
+    fields = {k: v for k, v in data.items() if k != "type"}
+    kind = data["type"]
+    try:
+        if kind == "full":
+            return FullPolicy(**fields)
+        if kind == "linear_decay":
+            return LinearDecayPolicy(**fields)
+    except TypeError as err:  # unexpected / missing keys
+        raise ValueError(f"policy of type {kind!r} has invalid fields: {err}") from None
+    raise ValueError(f"policy type must be one of 'full', 'linear_decay'; got {kind!r}")
+
+
+def theoretical_speedup(num_layers: int, layers_run: list[int] | tuple[int, ...]) -> float:
+    """``L * len(layers_run) / sum(layers_run)``: METHOD.md's theoretical (compute) speedup.
+
+    Args:
+        num_layers: L (layers).
+        layers_run: number of layers run at each decode step t >= 1 (the full-depth prefill
+            and token 0 are excluded by definition).
+
+    Returns:
+        The ratio (1.0 when ``layers_run`` is empty: no decode step, nothing skipped).
+    """
+    if not layers_run:
+        return 1.0
+    return num_layers * len(layers_run) / sum(layers_run)

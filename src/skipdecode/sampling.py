@@ -1,0 +1,87 @@
+"""Sampling: greedy, temperature, top-k, top-p with a seeded generator.
+
+The logits transforms are Hugging Face's own warpers (``transformers.generation.logits_process``);
+this module only composes them and draws with a ``torch.Generator`` so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    Args:
+        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_k: keep the k most likely tokens (0: no limit).
+        top_p: nucleus sampling mass in (0, 1] (1: no limit).
+        seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens.
+
+    Raises:
+        ValueError: a field is out of range (the message names it).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws next tokens (B,) from logits (B, V) according to :class:`SamplingParams`."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.warpers = LogitsProcessorList()
+        if not params.greedy:
+            self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next token ids (B,) for ``logits`` (B, V); ``input_ids`` (B, K) is passed to warpers.
+
+        NaN logits never reach sampling: they raise RuntimeError (PITFALLS 5).
+        """
+        if torch.isnan(logits).any():
+            raise RuntimeError("NaN in logits: refusing to sample")
+        if self.params.greedy:
+            return logits.argmax(dim=-1)
+        scores = self.warpers(input_ids, logits.float())
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

@@ -1,0 +1,102 @@
+"""Tiny random models, one per architecture family, and a tiny tokenizer; all built offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+VOCAB = 320
+
+CORPUS = [
+    "name[The Eagle], eatType[coffee shop], food[French], priceRange[moderate], area[riverside]",
+    "The Eagle is a moderately priced French coffee shop by the riverside.",
+    "Summarize the article. The quick brown fox jumps over the lazy dog near the river bank.",
+    "Describe the restaurant in one sentence. Description: a cheap family friendly pub.",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE tokenizer (vocab <= VOCAB) with pad/bos/eos and a chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _common(num_layers: int) -> dict:
+    return dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def make_config(family: str, num_layers: int = 6):
+    """Tiny config of ``family``: llama, mistral, qwen2, opt, opt_postln, opt_proj, gpt2."""
+    c = _common(num_layers)
+    if family in ("llama", "mistral", "qwen2"):
+        cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
+        extra = {"sliding_window": None} if family == "mistral" else {}
+        return cls(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=family != "llama",
+            **extra, **c,
+        )
+    if family.startswith("opt"):
+        return OPTConfig(
+            hidden_size=32, ffn_dim=64, num_hidden_layers=num_layers, num_attention_heads=4,
+            max_position_embeddings=256, word_embed_proj_dim=16 if family == "opt_proj" else 32,
+            do_layer_norm_before=family != "opt_postln", dropout=0.0, attention_dropout=0.0,
+            bos_token_id=2, eos_token_id=2, pad_token_id=1, vocab_size=VOCAB,  # OPT: BOS == EOS
+        )
+    if family == "gpt2":
+        return GPT2Config(
+            n_embd=32, n_layer=num_layers, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, **c,
+        )
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "opt", "opt_postln", "opt_proj", "gpt2"]
+
+
+def make_model(family: str, num_layers: int = 6, seed: int = 0):
+    """Tiny random float32 model of ``family`` in eval mode, SDPA attention."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(family, num_layers), attn_implementation="sdpa")
+    # larger-than-default init so that greedy paths are not all one token
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
