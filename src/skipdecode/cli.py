@@ -148,6 +148,33 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_H
 # --- further subcommands (bench, train, eval, serve) are added below ---------------------------
 
 
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Default target speedup of requests that give none."),
+    max_layers: Optional[int] = typer.Option(None, "--max-layers", help="Default e_max."),
+    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="Default e_min."),
+    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Default warm-up layers."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Default horizon (tokens)."),
+    name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
+    device: str = typer.Option("cpu", "--device", help="torch device."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    if not 0 < port < 65536:
+        fail(f"--port must be in 1..65535, got {port}")
+    sk = load_model(model, device, dtype)
+    sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
+    import uvicorn
+
+    from .server import create_app
+
+    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})")
+    uvicorn.run(create_app(sk, name), host=host, port=port, log_level="info")
+
+
 def main() -> None:
     """Console entry point (``skipdecode``)."""
     app()

@@ -346,6 +346,7 @@ def stream_generate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     B = input_ids.shape[0]
     texts = [""] * B
+    printed = [""] * B
     ids_out: list[list[int]] = [[] for _ in range(B)]
     reasons = ["length"] * B
     eos_set = set(eos_token_ids)
@@ -381,6 +382,7 @@ def stream_generate(
             record["decode_steps"] += 1
         column = out.tokens.tolist()
         emitted = out.emitted.tolist()
+        finished_now = out.finished.tolist()
         deltas = [""] * B
         for row in range(B):
             if not emitted[row]:
@@ -388,14 +390,17 @@ def stream_generate(
             ids_out[row].append(column[row])
             if column[row] in eos_set:
                 reasons[row] = "eos"
-                continue
             text = tokenizer.decode([t for t in ids_out[row] if t not in eos_set], skip_special_tokens=True)
             if reasons[row] == "stop":
                 cut = min((text.find(s) for s in stop if s in text), default=len(text))
                 text = text[:cut]
-            if text.startswith(texts[row]):
-                deltas[row] = text[len(texts[row]) :]
             texts[row] = text
+            # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
+            # row's next token completes it or the row ends, so deltas never need rewriting.
+            shown = text if finished_now[row] or out.step == max_new_tokens - 1 else text.rstrip("\ufffd")
+            if shown.startswith(printed[row]) and len(shown) > len(printed[row]):
+                deltas[row] = shown[len(printed[row]) :]
+                printed[row] = shown
         yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist())
     record.update(
         texts=texts,
