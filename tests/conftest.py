@@ -92,6 +92,27 @@ def make_model(family: str, num_layers: int = 6, seed: int = 0):
     return model.eval()
 
 
+def make_chain_model(tokenizer, prompt: str, text: str, num_layers: int = 6):
+    """Tiny llama programmed as a bigram model: after ``prompt`` it greedily writes ``text`` then
+    EOS (id 2), under any layer plan; EOS itself is followed by ``text``'s first token. The decoder
+    layers add nothing to the residual (o_proj, down_proj zero); the LM head maps each chain token
+    to its successor. ``text``'s tokens and the prompt's last token must be distinct."""
+    text_ids = tokenizer(text)["input_ids"]
+    chain = [tokenizer(prompt)["input_ids"][-1]] + text_ids + [2, text_ids[0]]
+    assert len(set(chain[:-1])) == len(chain) - 1, "bigram chain needs distinct tokens"
+    model = make_model("llama", num_layers, seed=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        normed = model.model.norm(model.model.embed_tokens.weight)  # what the head sees per token
+        head = torch.zeros_like(model.lm_head.weight)
+        for a, b in zip(chain, chain[1:]):
+            head[b] += 10 * normed[a] / normed[a].norm()
+        model.lm_head.weight.copy_(head)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

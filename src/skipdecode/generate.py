@@ -312,6 +312,17 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
 def stream_generate(
     adapter: Adapter,
     tokenizer,
@@ -397,7 +408,12 @@ def stream_generate(
             texts[row] = text
             # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
             # row's next token completes it or the row ends, so deltas never need rewriting.
-            shown = text if finished_now[row] or out.step == max_new_tokens - 1 else text.rstrip("\ufffd")
+            final = finished_now[row] or out.step == max_new_tokens - 1
+            shown = text if final else text.rstrip("\ufffd")
+            if not final:
+                # Likewise hold back a tail that may begin a stop string: it is cut if the stop
+                # string completes on a later token, and a streamed delta cannot be taken back.
+                shown = shown[: len(shown) - _partial_stop_len(shown, stop)]
             if shown.startswith(printed[row]) and len(shown) > len(printed[row]):
                 deltas[row] = shown[len(printed[row]) :]
                 printed[row] = shown

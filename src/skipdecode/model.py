@@ -87,11 +87,15 @@ class SkipModel:
 
         if speedup is not None and any(v is not None for v in fields.values()):
             raise ValueError("give either speedup or max_layers/min_layers/warmup_layers, not both")
-        horizon = horizon or self.horizon
+        horizon_given = horizon is not None
+        if horizon_given and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
+            raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
+        horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
             return for_speedup(self.num_layers, speedup, horizon, warmup_layers=fields.get("warmup_layers") or 1)
         given = {k: v for k, v in fields.items() if v is not None}
-        if given:
+        # an explicit horizon alone re-times a linear-decay default instead of being ignored
+        if given or (horizon_given and isinstance(self.policy, LinearDecayPolicy)):
             base = self.policy if isinstance(self.policy, LinearDecayPolicy) else None
             params = {
                 "max_layers": base.max_layers if base else self.num_layers,
@@ -99,6 +103,8 @@ class SkipModel:
                 "warmup_layers": base.warmup_layers if base else 1,
             }
             params.update(given)
+            if "min_layers" not in given and params["min_layers"] > params["max_layers"]:
+                params["min_layers"] = params["max_layers"]  # --max-layers alone: a constant budget
             return LinearDecayPolicy(num_layers=self.num_layers, horizon=horizon, **params)
         return self.policy
 

@@ -1,0 +1,248 @@
+"""The ``skipdecode`` command (``skipdecode.cli.app``) on tiny checkpoints saved to tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import make_chain_model, make_model
+from skipdecode import FullPolicy, LinearDecayPolicy, SkipModel, for_speedup, load
+from skipdecode.cli import app
+
+NUM_LAYERS = 6
+CHAIN_PROMPT = "Describe the restaurant:"
+TARGET = "The Eagle is a coffee shop"
+SAVED_POLICY = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
+GENERATE_OPTIONS = [
+    "--model", "--speedup", "--max-layers", "--min-layers", "--warmup-layers", "--horizon",
+    "--prompts-file", "--max-new-tokens", "--temperature", "--top-p", "--seed", "--json",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def random_dir(tmp_path_factory, tokenizer):
+    """Random tiny llama + tokenizer, full-depth default policy."""
+    path = tmp_path_factory.mktemp("ckpt") / "random"
+    SkipModel(make_model("llama", NUM_LAYERS), tokenizer).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chain_dir(tmp_path_factory, tokenizer):
+    """Programmed tiny llama (writes TARGET then EOS after CHAIN_PROMPT) saved with a policy."""
+    path = tmp_path_factory.mktemp("ckpt") / "chain"
+    model = make_chain_model(tokenizer, CHAIN_PROMPT, TARGET, NUM_LAYERS)
+    SkipModel(model, tokenizer, policy=SAVED_POLICY).save_pretrained(path, extra={"note": "test"})
+    return path
+
+
+def squash(text: str) -> str:
+    """Rich wraps long error lines; compare without whitespace."""
+    return "".join(text.split())
+
+
+def invoke(runner, args):
+    return runner.invoke(app, args, env={"COLUMNS": "200"})
+
+
+def json_out(result) -> dict:
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_generate_json(runner, random_dir):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(random_dir), "-n", "5", "--json"])
+    data = json_out(res)
+    assert set(data) >= {"texts", "finish_reasons", "token_ids", "stats"}
+    assert len(data["texts"]) == 1 and len(data["token_ids"][0]) <= 5
+    stats = data["stats"]
+    assert stats["batch_size"] == 1 and stats["num_layers"] == NUM_LAYERS
+    assert stats["new_tokens"] == len(data["token_ids"][0])
+    assert stats["policy"] == FullPolicy(NUM_LAYERS).to_dict()
+    assert stats["theoretical_speedup"] == 1.0
+    for key in ("prefill_seconds", "decode_seconds", "tokens_per_second", "mean_active_layers", "step_seconds"):
+        assert key in stats
+
+
+def test_generate_speedup(runner, random_dir):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(random_dir), "-n", "6", "--json", "--speedup", "2"])
+    stats = json_out(res)["stats"]
+    expected = for_speedup(NUM_LAYERS, 2, 32)
+    assert (expected.max_layers, expected.min_layers) == (4, 2)
+    assert stats["policy"] == expected.to_dict()
+    if stats["decode_steps"]:
+        budgets = [expected.budget(t) for t in range(1, stats["decode_steps"] + 1)]
+        assert stats["theoretical_speedup"] == pytest.approx(NUM_LAYERS * len(budgets) / sum(budgets))
+        assert stats["theoretical_speedup"] > 1
+
+
+def test_generate_explicit_layers(runner, chain_dir):
+    args = ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
+            "--max-layers", "4", "--min-layers", "3", "--warmup-layers", "0", "--horizon", "2"]
+    data = json_out(invoke(runner, args))
+    policy = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=3, warmup_layers=0, horizon=2)
+    stats = data["stats"]
+    assert stats["policy"] == policy.to_dict()
+    assert data["texts"] == [TARGET] and data["finish_reasons"] == ["eos"]
+    budgets = [policy.budget(t) for t in range(1, stats["decode_steps"] + 1)]
+    assert stats["mean_active_layers"] == pytest.approx(sum(budgets) / len(budgets))
+
+
+def test_horizon_alone_retimes_saved_policy(runner, chain_dir):
+    data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
+                                    "--horizon", "9"]))
+    expected = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=9)
+    assert data["stats"]["policy"] == expected.to_dict()
+    # an explicit flag overrides one field and keeps the checkpoint's others
+    data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
+                                    "--min-layers", "3"]))
+    assert data["stats"]["policy"] == {**SAVED_POLICY.to_dict(), "min_layers": 3}
+
+
+def test_saved_policy_is_picked_up(runner, chain_dir):
+    sk = load(str(chain_dir))
+    assert sk.policy == SAVED_POLICY
+    assert sk.skip_config["note"] == "test"
+    assert sk.num_layers == NUM_LAYERS
+    # the CLI uses it when no policy flag is given ...
+    data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json"]))
+    assert data["stats"]["policy"] == SAVED_POLICY.to_dict()
+    steps = data["stats"]["decode_steps"]
+    budgets = [SAVED_POLICY.budget(t) for t in range(1, steps + 1)]
+    assert data["stats"]["theoretical_speedup"] == pytest.approx(NUM_LAYERS * steps / sum(budgets))
+    # ... and `info` reports it
+    info = json.loads(invoke(runner, ["info", "--model", str(chain_dir)]).stdout)
+    assert info["policy"] == SAVED_POLICY.to_dict() and info["num_layers"] == NUM_LAYERS
+    assert info["model_type"] == "llama"
+
+
+def test_load_policy_override_and_weights_round_trip(chain_dir, tokenizer):
+    override = FullPolicy(NUM_LAYERS)
+    sk = load(str(chain_dir), policy=override)
+    assert sk.policy == override
+    original = make_chain_model(tokenizer, CHAIN_PROMPT, TARGET, NUM_LAYERS)
+    for (name, a), (_, b) in zip(original.state_dict().items(), sk.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sk.generate(CHAIN_PROMPT, max_new_tokens=20).texts == [TARGET]
+
+
+def test_streaming_output(runner, chain_dir):
+    res = invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20"])
+    assert res.exit_code == 0, res.output
+    assert TARGET in res.stdout
+    assert "theoretical speedup" in res.stderr
+
+
+def test_prompts_file_and_arguments_batch(runner, chain_dir, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(f"{CHAIN_PROMPT}\n\n</s>{CHAIN_PROMPT}\n")
+    res = invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "--prompts-file", str(prompts_file),
+                          "-n", "20", "--json"])
+    data = json_out(res)
+    assert data["texts"] == [TARGET] * 3  # the blank line is skipped
+    assert data["stats"]["batch_size"] == 3
+
+
+def test_stop_and_sampling_flags(runner, chain_dir):
+    data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
+                                    "--stop", "coffee"]))
+    assert data["texts"] == ["The Eagle is a "] and data["finish_reasons"] == ["stop"]
+    # seeded sampling is reproducible from the command line
+    args = ["generate", "The Eagle", "--model", str(chain_dir), "-n", "8", "--json", "--temperature", "1.0", "--seed", "5"]
+    a, b = json_out(invoke(runner, args)), json_out(invoke(runner, args))
+    assert a["token_ids"] == b["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "extra,option",
+    [
+        (["--top-p", "3"], "top_p"),
+        (["--top-p", "0"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--speedup", "0.5"], "speedup"),
+        (["--speedup", "100"], "speedup"),
+        (["--min-layers", "9", "--max-layers", "3"], "min_layers"),
+        (["--max-layers", "7"], "max_layers"),
+        (["--warmup-layers", "3", "--min-layers", "2"], "warmup_layers"),
+        (["--horizon", "0", "--max-layers", "4", "--min-layers", "2"], "horizon"),
+        (["--horizon", "0"], "horizon"),
+        (["--speedup", "2", "--max-layers", "4"], "speedup"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--max-new-tokens", "1000"], "max_new_tokens"),  # longer than the 256-position context
+        (["--dtype", "float8"], "dtype"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_option(runner, random_dir, extra, option):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(random_dir), "-n", "3", *extra])
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit)
+    assert "Traceback" not in res.output
+    message = squash(res.output).replace("-", "_")
+    assert option.replace("-", "_") in message, res.output
+
+
+def test_missing_model_path_exits_2(runner, tmp_path):
+    missing = tmp_path / "no_such_model"
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(missing), "-n", "3"])
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert squash(str(missing)) in squash(res.output)
+
+
+def test_directory_without_checkpoint_exits_2(runner, tmp_path):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(tmp_path), "-n", "3"])
+    assert res.exit_code == 2, res.output
+    assert "config.json" in squash(res.output)
+
+
+def test_missing_prompts_file_exits_2(runner, random_dir, tmp_path):
+    res = invoke(runner, ["generate", "--model", str(random_dir), "--prompts-file", str(tmp_path / "nope.txt")])
+    assert res.exit_code == 2
+    assert "--prompts-file" in res.output and "Traceback" not in res.output
+
+
+def test_no_prompt_exits_2(runner, random_dir):
+    res = invoke(runner, ["generate", "--model", str(random_dir)])
+    assert res.exit_code == 2
+    assert "prompt" in res.output and "Traceback" not in res.output
+
+
+def test_blank_prompt_exits_2(runner, random_dir):
+    res = invoke(runner, ["generate", "   ", "--model", str(random_dir), "-n", "2"])
+    assert res.exit_code == 2, res.output
+    assert "prompts[0]" in squash(res.output) and "Traceback" not in res.output
+
+
+def test_non_numeric_option_exits_2(runner, random_dir):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(random_dir), "--max-layers", "many"])
+    assert res.exit_code == 2
+    assert "--max-layers" in res.output
+
+
+def test_generate_help_lists_every_option(runner):
+    res = invoke(runner, ["generate", "--help"])
+    assert res.exit_code == 0
+    for option in GENERATE_OPTIONS:
+        assert option in res.output, option
+
+
+def test_top_level_help_lists_generate(runner):
+    res = invoke(runner, ["--help"])
+    assert res.exit_code == 0
+    assert "generate" in res.output and "info" in res.output

@@ -1,0 +1,342 @@
+"""Text-level generation through ``SkipModel`` on a tiny llama and the conftest tokenizer: EOS,
+stop strings, finish reasons, BOS == EOS prompts, sampling, chat template, prompt validation,
+statistics and streaming (PITFALLS 10, 11, 13)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from conftest import make_chain_model, make_model
+from skipdecode import FullPolicy, LinearDecayPolicy, SkipModel, generate_step, get_adapter
+from skipdecode.generate import encode_prompts, generate
+
+gen_mod = importlib.import_module("skipdecode.generate")  # the package re-exports `generate`
+
+NUM_LAYERS = 6
+SKIP = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
+PROMPTS = ["The Eagle is a coffee shop", "Describe the restaurant in one sentence.", "name[The Eagle]"]
+EOS = 2  # conftest tokenizer: </s>
+TARGET = "The Eagle is a coffee shop"
+CHAIN_PROMPT = "Describe the restaurant:"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead, and much more on a busy shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def sk(tokenizer):
+    """Random tiny llama (6 layers)."""
+    return SkipModel(make_model("llama", NUM_LAYERS), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def chain_sk(tokenizer):
+    """A tiny llama programmed (conftest.make_chain_model) to write TARGET then EOS after
+    CHAIN_PROMPT, under any layer plan; EOS (a prompt's BOS) is followed by TARGET too."""
+    return SkipModel(make_chain_model(tokenizer, CHAIN_PROMPT, TARGET, NUM_LAYERS), tokenizer)
+
+
+def no_eos_generate(sk, prompts, **kwargs):
+    return generate(sk.adapter, sk.tokenizer, prompts, eos_token_ids=[], **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# EOS, stop strings, finish reasons
+# --------------------------------------------------------------------------------------------
+
+
+def test_eos_ends_row_and_is_not_in_text(chain_sk, tokenizer):
+    for policy in (None, SKIP):
+        res = chain_sk.generate(CHAIN_PROMPT, max_new_tokens=30, policy=policy)
+        target_ids = tokenizer(TARGET)["input_ids"]
+        assert res.token_ids == [target_ids + [EOS]]
+        assert res.texts == [TARGET]
+        assert res.finish_reasons == ["eos"]
+        assert res.new_tokens == [len(target_ids) + 1]
+        # the batch stopped with its last row: token 0 from the prefill, then one step per token
+        assert res.decode_steps == len(target_ids)
+
+
+def test_eos_freezes_row_in_batch(sk, tokenizer):
+    """Row 0 ends at step k on an EOS chosen from its own greedy output; afterwards it is fed and
+    reports the pad id, emits nothing, and row 1 is untouched (tokens and logits)."""
+    input_ids, mask = encode_prompts(tokenizer, PROMPTS[:2])
+    n = 12
+    free = list(generate_step(sk.adapter, input_ids, mask, policy=SKIP, max_new_tokens=n, eos_token_ids=()))
+    row0 = [int(s.tokens[0]) for s in free]
+    row1 = [int(s.tokens[1]) for s in free]
+    candidates = [k for k in range(1, n - 2) if row0[k] not in row0[:k] and row0[k] not in row1]
+    assert candidates, (row0, row1)
+    k = candidates[0]
+    eos = row0[k]
+    pad = tokenizer.pad_token_id
+    steps = list(generate_step(sk.adapter, input_ids, mask, policy=SKIP, max_new_tokens=n, eos_token_ids=[eos], pad_token_id=pad))
+    assert len(steps) == n
+    for t, s in enumerate(steps):
+        assert bool(s.emitted[0]) == (t <= k)
+        assert bool(s.finished[0]) == (t >= k)
+        assert int(s.tokens[0]) == (row0[t] if t <= k else pad)
+        assert bool(s.emitted[1]) and not bool(s.finished[1])
+        assert int(s.tokens[1]) == row1[t]
+        torch.testing.assert_close(s.logits[1], free[t].logits[1], rtol=0, atol=1e-5)
+    # text level: the same EOS override through generate()
+    res = generate(sk.adapter, tokenizer, PROMPTS[:2], policy=SKIP, max_new_tokens=n, eos_token_ids=[eos])
+    assert res.token_ids[0] == row0[: k + 1]
+    assert res.token_ids[1] == row1
+    assert res.finish_reasons == ["eos", "length"]
+    assert res.new_tokens == [k + 1, n]
+    assert res.texts[0] == tokenizer.decode(row0[:k], skip_special_tokens=True)
+
+
+def test_eos_from_generation_config(tokenizer):
+    """The model's generation_config EOS ids are used together with the tokenizer's."""
+    model = make_model("llama", NUM_LAYERS)
+    sk = SkipModel(model, tokenizer)
+    free = no_eos_generate(sk, PROMPTS[:1], max_new_tokens=10).token_ids[0]
+    k = next(k for k in range(1, 10) if free[k] not in free[:k])
+    model.generation_config.eos_token_id = [free[k]]
+    res = sk.generate(PROMPTS[0], max_new_tokens=10)
+    assert res.token_ids == [free[: k + 1]] and res.finish_reasons == ["eos"]
+
+
+def test_stop_string_cuts_text(chain_sk, tokenizer):
+    target_ids = tokenizer(TARGET)["input_ids"]
+    for stop, expected in [("coffee", "The Eagle is a "), ("Eagle is", "The "), ("shop", "The Eagle is a coffee ")]:
+        res = chain_sk.generate(CHAIN_PROMPT, max_new_tokens=30, stop=[stop], policy=SKIP)
+        assert res.texts == [expected]
+        assert res.finish_reasons == ["stop"]
+        # the row stopped on the first token whose text completes the stop string
+        k = next(k for k in range(1, len(target_ids) + 1) if stop in tokenizer.decode(target_ids[:k]))
+        assert res.token_ids == [target_ids[:k]]
+
+
+def test_stop_string_spanning_tokens_is_never_streamed(chain_sk):
+    """Text that may begin a stop string is held back; deltas join to exactly the final text."""
+    for stop in ["Eagle is", "is a cof", "coffee", "shop", "no such text", "The"]:
+        chunks = list(chain_sk.stream_generate(CHAIN_PROMPT, max_new_tokens=30, stop=[stop]))
+        res = chain_sk.generate(CHAIN_PROMPT, max_new_tokens=30, stop=[stop])
+        streamed = "".join(c.deltas[0] for c in chunks)
+        assert streamed == res.texts[0], (stop, streamed, res.texts[0])
+        assert stop not in streamed
+    assert res.texts == [""] and res.finish_reasons == ["stop"]  # "The" stops on the first token
+
+
+def test_max_new_tokens_gives_length(sk):
+    res = no_eos_generate(sk, PROMPTS, max_new_tokens=5)
+    assert res.finish_reasons == ["length"] * 3
+    assert res.new_tokens == [5, 5, 5]
+    assert all(len(ids) == 5 for ids in res.token_ids)
+
+
+def test_length_when_budget_ends_before_eos(chain_sk, tokenizer):
+    res = chain_sk.generate(CHAIN_PROMPT, max_new_tokens=3)
+    assert res.finish_reasons == ["length"]
+    assert res.token_ids == [tokenizer(TARGET)["input_ids"][:3]]
+
+
+def test_bos_equal_to_eos_in_prompt_does_not_end_generation(chain_sk, tokenizer):
+    """OPT starts every prompt with id 2, which is also EOS: only generated tokens may end a row."""
+    target_ids = tokenizer(TARGET)["input_ids"]
+    ids_start = tokenizer("</s>" + CHAIN_PROMPT)["input_ids"]
+    assert ids_start[0] == EOS == tokenizer.eos_token_id
+    # a prompt that starts with EOS, and one that ends with it (its last fed token is EOS)
+    res = chain_sk.generate(["</s>" + CHAIN_PROMPT, "</s>"], max_new_tokens=30)
+    assert res.token_ids == [target_ids + [EOS], target_ids + [EOS]]
+    assert res.finish_reasons == ["eos", "eos"]
+    assert res.texts == [TARGET, TARGET]
+
+
+def test_bos_equal_to_eos_with_tiny_opt():
+    model = make_model("opt", NUM_LAYERS)
+    adapter = get_adapter(model)
+    ids = torch.tensor([[2, 50, 60, 70], [1, 1, 2, 80]])  # OPT: BOS == EOS == 2, pad == 1
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    steps = list(generate_step(adapter, ids, mask, max_new_tokens=6, eos_token_ids=[2], pad_token_id=1))
+    first = steps[0]
+    assert first.emitted.all()
+    assert torch.equal(first.finished, first.tokens == 2)
+    assert len(steps) >= 2  # the random model does not emit EOS at step 0 for both rows
+    for row in range(2):
+        if int(first.tokens[row]) != 2:
+            assert bool(steps[1].emitted[row])
+
+
+# --------------------------------------------------------------------------------------------
+# sampling
+# --------------------------------------------------------------------------------------------
+
+
+def test_sampling_same_seed_reproducible_and_seeds_differ(sk):
+    kw = dict(max_new_tokens=16, temperature=1.0, policy=SKIP)
+    a = sk.generate(PROMPTS, seed=7, **kw)
+    b = sk.generate(PROMPTS, seed=7, **kw)
+    c = sk.generate(PROMPTS, seed=8, **kw)
+    greedy = sk.generate(PROMPTS, max_new_tokens=16, policy=SKIP)
+    assert a.token_ids == b.token_ids and a.texts == b.texts
+    assert a.token_ids != c.token_ids
+    assert a.token_ids != greedy.token_ids  # temperature 1 really samples
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(sk):
+    greedy = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP)
+    top1 = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP, temperature=1.5, top_k=1, seed=3)
+    nucleus = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP, temperature=1.5, top_p=1e-6, seed=3)
+    assert top1.token_ids == greedy.token_ids
+    assert nucleus.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("temperature", {"temperature": -1.0}),
+    ("top_k", {"top_k": -1}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("seed", {"seed": 1.5}),
+])
+def test_bad_sampling_parameters(sk, field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        sk.generate("The Eagle", max_new_tokens=2, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# chat template, prompt validation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def captured_prompts(monkeypatch):
+    seen: list[torch.Tensor] = []
+    real = gen_mod.generate_step
+
+    def spy(adapter, input_ids, attention_mask, **kwargs):
+        seen.append(input_ids.clone())
+        return real(adapter, input_ids, attention_mask, **kwargs)
+
+    monkeypatch.setattr(gen_mod, "generate_step", spy)
+    return seen
+
+
+def test_chat_uses_template(sk, tokenizer, captured_prompts):
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    sk.generate("The Eagle", max_new_tokens=2, chat=True)
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "The Eagle"}], add_generation_prompt=True, tokenize=False
+    )
+    assert expected.startswith("<|im_start|>user\nThe Eagle<|im_end|>")
+    ids = captured_prompts[-1][0].tolist()
+    assert im_start in ids
+    assert ids == tokenizer(expected)["input_ids"]
+    sk.generate("The Eagle", max_new_tokens=2, chat=False)
+    assert captured_prompts[-1][0].tolist() == tokenizer("The Eagle")["input_ids"]
+    # the SkipModel default applies when chat is not given
+    chat_model = SkipModel(sk.model, tokenizer, chat=True)
+    chat_model.generate("The Eagle", max_new_tokens=2)
+    assert captured_prompts[-1][0].tolist() == ids
+
+
+def test_chat_without_template_raises(sk, tokenizer):
+    import copy
+
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        SkipModel(sk.model, plain).generate("hi", max_new_tokens=2, chat=True)
+
+
+@pytest.mark.parametrize("prompts,index", [("", 0), (["The Eagle", "   "], 1), (["ok", "fine", "\n\t"], 2), ([None], 0)])
+def test_empty_or_blank_prompt_raises_naming_it(sk, prompts, index):
+    with pytest.raises(ValueError, match=rf"prompts\[{index}\]"):
+        sk.generate(prompts, max_new_tokens=2)
+
+
+def test_no_prompts_raises(sk):
+    with pytest.raises(ValueError, match="prompt"):
+        sk.generate([], max_new_tokens=2)
+
+
+# --------------------------------------------------------------------------------------------
+# statistics and streaming
+# --------------------------------------------------------------------------------------------
+
+
+def test_stats_count_layers_actually_run(sk, tokenizer):
+    n = 9
+    res = no_eos_generate(sk, PROMPTS[:2], policy=SKIP, max_new_tokens=n)
+    budgets = [SKIP.budget(t) for t in range(1, n)]  # decode steps 1..n-1; token 0 from prefill
+    assert res.decode_steps == n - 1
+    assert res.layers_run == budgets
+    assert res.theoretical_speedup == pytest.approx(NUM_LAYERS * (n - 1) / sum(budgets))
+    assert res.mean_active_layers == pytest.approx(sum(budgets) / (n - 1))
+    assert res.new_tokens == [n, n]
+    assert res.prompt_tokens == [len(tokenizer(p)["input_ids"]) for p in PROMPTS[:2]]
+    stats = json.loads(json.dumps(res.stats()))
+    assert stats["new_tokens"] == 2 * n
+    assert stats["prompt_tokens"] == sum(res.prompt_tokens)
+    assert stats["batch_size"] == 2 and stats["num_layers"] == NUM_LAYERS
+    assert stats["theoretical_speedup"] == pytest.approx(res.theoretical_speedup)
+    assert stats["mean_active_layers"] == pytest.approx(res.mean_active_layers)
+    assert stats["policy"] == SKIP.to_dict()
+    assert stats["decode_steps"] == n - 1
+    assert stats["tokens_per_second"] > 0 and stats["prefill_seconds"] > 0 and stats["decode_seconds"] > 0
+    assert stats["step_seconds"] == pytest.approx(res.decode_seconds / (n - 1))
+    # full depth: nothing skipped, speedup exactly 1
+    full = no_eos_generate(sk, PROMPTS[:2], policy=FullPolicy(NUM_LAYERS), max_new_tokens=n)
+    assert full.layers_run == [NUM_LAYERS] * (n - 1)
+    assert full.theoretical_speedup == 1.0 and full.mean_active_layers == NUM_LAYERS
+
+
+def test_stats_when_generation_ends_early(chain_sk, tokenizer):
+    """Realised, not target, speedup: the batch stops at EOS, so only the steps run count."""
+    steps = len(tokenizer(TARGET)["input_ids"])  # decode steps: TARGET tokens 1.. and the EOS
+    res = chain_sk.generate(CHAIN_PROMPT, policy=SKIP, max_new_tokens=40)
+    budgets = [SKIP.budget(t) for t in range(1, steps + 1)]
+    assert res.decode_steps == steps and res.layers_run == budgets
+    assert res.theoretical_speedup == pytest.approx(NUM_LAYERS * steps / sum(budgets))
+
+
+def test_single_token_generation_stats(sk):
+    res = no_eos_generate(sk, PROMPTS[:1], policy=SKIP, max_new_tokens=1)
+    assert res.new_tokens == [1] and res.decode_steps == 0 and res.layers_run == []
+    assert res.theoretical_speedup == 1.0 and res.mean_active_layers == NUM_LAYERS
+
+
+@pytest.mark.parametrize("policy", [None, SKIP], ids=["full", "skip"])
+def test_stream_deltas_concatenate_to_final_text(sk, policy):
+    chunks = list(sk.stream_generate(PROMPTS, max_new_tokens=14, policy=policy))
+    res = sk.generate(PROMPTS, max_new_tokens=14, policy=policy)
+    for row in range(len(PROMPTS)):
+        assert "".join(c.deltas[row] for c in chunks) == res.texts[row]
+    assert [c.step for c in chunks] == list(range(len(chunks)))
+    # chunk tokens are the generated ids, column by column
+    for row in range(len(PROMPTS)):
+        emitted = [int(c.tokens[row]) for c in chunks][: res.new_tokens[row]]
+        assert emitted == res.token_ids[row]
+    expected_layers = [tuple(range(NUM_LAYERS))] + [
+        (policy or FullPolicy(NUM_LAYERS)).active_layers(t) for t in range(1, len(chunks))
+    ]
+    assert [c.active_layers for c in chunks] == expected_layers
+
+
+def test_on_chunk_sees_every_chunk(sk):
+    seen = []
+    out = generate(sk.adapter, sk.tokenizer, PROMPTS[:2], policy=SKIP, max_new_tokens=6, eos_token_ids=[], on_chunk=seen.append)
+    assert len(seen) == 6
+    assert ["".join(c.deltas[r] for c in seen) for r in range(2)] == out.texts
+
+
+def test_batched_text_equals_single(sk):
+    batched = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP)
+    for i, prompt in enumerate(PROMPTS):
+        alone = sk.generate(prompt, max_new_tokens=10, policy=SKIP)
+        assert alone.token_ids[0] == batched.token_ids[i]
+        assert alone.texts[0] == batched.texts[i]
+        assert alone.finish_reasons[0] == batched.finish_reasons[i]
