@@ -148,6 +148,269 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_H
 # --- further subcommands (bench, train, eval, serve) are added below ---------------------------
 
 
+@app.command("eval")
+def eval_command(
+    models: List[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " Repeatable; 'stock' = the embedded default."),
+    data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
+    task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
+    speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
+    policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint' or a JSON policy dict (repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's)."),
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Prompts per generation batch."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per item (default: 64 for E2E/plain, 128 for CNN/DM)."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable; default: newline for E2E, none otherwise; --stop '' for none)."),
+    metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, rouge1, rouge2, rougeL (default: by task)."),
+    calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold (repeatable)."),
+    calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="Fewest layers a CALM token runs before it may exit."),
+    out_dir: Path = typer.Option(Path("eval_results"), "--out", "-o", help="Folder for NAME.json, NAME.md and NAME.png."),
+    name: str = typer.Option("eval", "--name", help="Base name of the three output files."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: the checkpoint's setting)."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted) instead of failing."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
+) -> None:
+    """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
+    import shlex
+
+    from .data import DataError, default_data_dir, load_eval_items
+    from .evaluate import TASKS, detect_task, evaluate
+    from .loading import DEFAULT_MODEL
+
+    if batch_size < 1:
+        fail(f"--batch-size must be >= 1, got {batch_size}")
+    if limit is not None and limit < 1:
+        fail(f"--limit must be >= 1, got {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if task is not None and task not in TASKS:
+        fail(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    if data is None:
+        root = default_data_dir()
+        if root is None:
+            fail("no --data given and no shared data folder found for the default E2E test set "
+                 "(set SKIPDECODE_DATA or pass --data FILE)")
+        data = str(root / "e2e" / "testset_w_refs.csv")
+    try:
+        items = load_eval_items(data, task=task, skip_bad_rows=skip_bad_rows)
+    except (DataError, ValueError) as e:
+        fail(str(e))
+    if getattr(items, "n_skipped", 0):
+        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {data}[/]", highlight=False)
+    items = list(items)[:limit] if limit else list(items)
+    eval_task = task or detect_task(data)
+
+    def loader(spec):
+        target = DEFAULT_MODEL if spec in ("stock", "default") and not Path(spec).exists() else spec
+        return lambda: load_model(target, device, dtype, chat)
+
+    entries = {}
+    for spec in models or ["stock"]:
+        label = Path(spec).name if Path(spec).exists() else spec
+        base, k = label, 2
+        while label in entries:
+            label, k = f"{base}#{k}", k + 1
+        entries[label] = loader(spec)
+    specs = [*speedups, *policies] or None
+    command = shlex.join(["skipdecode", *sys.argv[1:]])
+    try:
+        report = evaluate(
+            entries, items, specs, batch_size=batch_size, max_new_tokens=max_new_tokens,
+            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in stop] or None, task=eval_task, metrics=metrics or None, horizon=horizon,
+            calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
+            progress=progress, command=command, data=str(data),
+        )
+    except (DataError, ValueError) as e:
+        fail(str(e))
+    try:
+        paths = report.save(out_dir, name)
+    except OSError as e:
+        fail(f"cannot write the report to {out_dir}: {e}")
+    print(report.to_markdown(), flush=True)  # plain print: rich would re-wrap the table's lines
+    err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+
+
+@app.command()
+def train(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    data: str = typer.Option(..., "--data", help="Training data: .csv (E2E), .jsonl (prompt/response or CNN/DM) or a HF dataset name; relative paths are also looked up in the shared data folder."),
+    out: Path = typer.Option(..., "--out", "-o", help="Run directory: checkpoints, final/ (the model) and train_record.json."),
+    task: Optional[str] = typer.Option(None, "--task", help="Prompt template (e2e, cnndm, plain; default: by file type)."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1; 1 = full-depth fine-tune)."),
+    speedups: Optional[str] = typer.Option(None, "--speedups", help="Mixed-policy training: comma-separated speedups, one drawn per step (e.g. 2,3,5)."),
+    max_layers: Optional[int] = typer.Option(None, "--max-layers", help="e_max of an explicit schedule (layers)."),
+    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min of an explicit schedule (layers)."),
+    warmup_layers: int = typer.Option(1, "--warmup-layers", help="Bottom layers that always run."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Decay horizon T in tokens (default: median response length of the data)."),
+    epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training data (ignored with --max-steps)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
+    lr: float = typer.Option(2e-4, "--lr", help="Peak learning rate (AdamW)."),
+    lr_scheduler: str = typer.Option("cosine", "--lr-scheduler", help="cosine, linear, constant or constant_with_warmup."),
+    warmup_ratio: float = typer.Option(0.05, "--warmup-ratio", help="Share of steps of linear LR warm-up."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
+    batch_size: int = typer.Option(8, "--batch-size", "-b", help="Examples per micro-batch (per process)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm (0: off)."),
+    max_length: int = typer.Option(256, "--max-length", help="Longest prompt + response in tokens (longer responses are cut)."),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of distinct prompts held out for validation loss."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Validation every N steps (0: start and end only)."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps for --resume (0: final model only)."),
+    distill: bool = typer.Option(False, "--distill", help="Self-distillation: train on the full-depth model's greedy answers (no labels needed)."),
+    kl_weight: float = typer.Option(0.0, "--kl-weight", help="Add this times KL to the full-depth teacher's logits."),
+    distill_max_new_tokens: int = typer.Option(64, "--distill-max-new-tokens", help="Longest teacher answer (tokens)."),
+    lora_r: int = typer.Option(0, "--lora-r", help="LoRA rank on all linear projections (0: full fine-tuning)."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default: 2 * rank)."),
+    grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Recompute layers in backward to save memory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (for GPUs)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of data order, split, policy draws and init."),
+    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows instead of failing."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Chat template on prompts (default: the model's setting)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+) -> None:
+    """Fine-tune a model with its skip schedule in place; prints the run record's summary as JSON."""
+    from .data import DataError
+    from .train import TrainConfig, TrainConfigError, train as run_train
+
+    # TrainConfig field -> the option that sets it (for error messages)
+    renamed = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "base_model": "--model"}
+
+    def option(field_name: str) -> str:
+        return renamed.get(field_name, "--" + field_name.replace("_", "-"))
+
+    speedup_list = None
+    if speedups is not None:
+        try:
+            speedup_list = tuple(float(x) for x in speedups.split(",") if x.strip())
+        except ValueError:
+            fail(f"--speedups must be comma-separated numbers such as 2,3,5, got {speedups!r}")
+    try:
+        config = TrainConfig(
+            out_dir=str(out), speedup=speedup, speedups=speedup_list, max_layers=max_layers, min_layers=min_layers,
+            warmup_layers=warmup_layers, horizon=horizon, task=task, max_length=max_length,
+            val_fraction=val_fraction, skip_bad_rows=skip_bad_rows, chat=chat, epochs=epochs, max_steps=max_steps,
+            lr=lr, weight_decay=weight_decay, batch_size=batch_size, grad_accum=grad_accum,
+            lr_scheduler=lr_scheduler, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
+            gradient_checkpointing=grad_checkpointing, seed=seed, device=device, bf16=bf16, distill=distill,
+            kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens, lora_r=lora_r,
+            lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
+            progress=progress,
+        )
+    except TrainConfigError as e:
+        fail(f"{option(e.field)} {e.reason}")
+    sk = load_model(model, "cpu", "float32", chat)
+    try:
+        result = run_train(sk, data, config)
+    except TrainConfigError as e:
+        fail(f"{option(e.field)} {e.reason}")
+    except DataError as e:
+        fail(f"--data: {e}")
+    except ValueError as e:
+        fail(str(e))
+    err.print(
+        f"[dim]{result.steps} steps | {result.tokens_seen} tokens | {result.tokens_per_second:.1f} tok/s "
+        f"({result.target_tokens_per_second:.1f} response tok/s) | {result.wall_seconds:.0f} s | final loss "
+        f"{result.train_log[-1]['loss'] if result.train_log else float('nan'):.4f}[/]",
+        highlight=False,
+    )
+    err.print(f"model written to {result.final_dir}  (try: skipdecode generate --model {result.final_dir} ...)",
+              highlight=False)
+    summary = {k: v for k, v in result.to_dict().items() if k not in ("train_log", "val_log", "config")}
+    summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
+    summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
+    print(json.dumps(summary))
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes."),
+    speedups: str = typer.Option("2,3,5", "--speedups", help="Comma-separated target speedups (full depth is always run)."),
+    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated per row in every run (equal lengths)."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens)."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per configuration (median reported)."),
+    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per configuration."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads (default: all cores)."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time Hugging Face generate on the same prompts."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Prompt pool, one per line (default: 32 built-in prompts)."),
+    output: Path = typer.Option(Path("benchmarks/results/decode_speed.json"), "--output", "-o", help="Results JSON (a PNG plot is written beside it)."),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot beside the JSON."),
+    profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
+    profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
+    bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
+) -> None:
+    """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
+    import os
+
+    from . import bench as B
+
+    try:
+        sizes = B.parse_int_list(batch_sizes, "--batch-sizes")
+        targets = B.parse_float_list(speedups, "--speedups")
+        profile_sizes = B.parse_int_list(profile_batch_sizes, "--profile-batch-sizes")
+    except ValueError as e:
+        fail(str(e))
+    for name, value, low in (("--new-tokens", new_tokens, 2), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
+        if value < low:
+            fail(f"{name} must be >= {low}, got {value}")
+    if horizon is not None and horizon < 1:
+        fail(f"--horizon must be >= 1, got {horizon}")
+    if threads is not None and threads < 1:
+        fail(f"--threads must be >= 1, got {threads}")
+    if bandwidth_gbs <= 0:
+        fail(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
+    prompts = B.DEFAULT_PROMPTS
+    if prompts_file is not None:
+        if not prompts_file.exists():
+            fail(f"--prompts-file {prompts_file} does not exist")
+        prompts = tuple(line for line in prompts_file.read_text().splitlines() if line.strip())
+        if not prompts:
+            fail(f"--prompts-file {prompts_file} holds no prompt")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: CUDA is not available on this machine")
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    sk = load_model(model, device, dtype)
+
+    def progress(msg: str) -> None:
+        err.print(f"[dim]{msg}[/]", highlight=False)
+
+    try:
+        result = B.run_benchmark(
+            sk, batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
+            warmup=warmup, include_hf=hf, prompts=prompts, on_progress=progress,
+        )
+        if profile:
+            result["profile"] = B.profile_decode(
+                sk, batch_sizes=profile_sizes, speedups=targets[-1:] if targets else (), new_tokens=new_tokens,
+                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, prompts=prompts, on_progress=progress,
+            )
+    except ValueError as e:
+        fail(str(e))
+    path = B.write_results(result, output)
+    if plot:
+        B.write_plot(result, path.with_suffix(".png"))
+    table_out = out if out.is_terminal else Console(width=200)
+    table_out.print(B.results_table(result))
+    if profile:
+        table_out.print(B.profile_table(result["profile"]))
+    t = result["targets"]
+    err.print(
+        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | wall/theoretical >= "
+        f"{t['wall_over_theoretical_min']} at batch 1 and 8: {t['wall_over_theoretical_met']} | results: {path}[/]",
+        highlight=False,
+    )
+    print(json.dumps(result), flush=True)
+
+
 @app.command()
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),

@@ -1,0 +1,330 @@
+"""Evaluation harness (skipdecode.evaluate) and the `skipdecode eval` command, on tiny models.
+
+Offline and independent of the shared data folder: items are written to tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import make_model
+from skipdecode.cli import app
+from skipdecode.data import DataError, EvalItem, load_eval_items
+from skipdecode.evaluate import TASKS, Report, detect_task, evaluate, resolve_policy
+from skipdecode.metrics import score_all
+from skipdecode.model import SkipModel
+from skipdecode.policy import FullPolicy, LinearDecayPolicy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+L = 6
+RECORDS = [
+    {"prompt": "name[The Eagle], eatType[coffee shop]", "references": ["The Eagle is a coffee shop.", "A coffee shop."]},
+    {"prompt": "name[Blue Spice], food[French]", "references": ["Blue Spice serves French food."]},
+    {"prompt": "Describe the restaurant in one sentence.", "references": "A cheap family friendly pub."},
+    {"prompt": "The quick brown fox", "references": ["jumps over the lazy dog."]},
+    {"prompt": "Summarize the article.", "references": ["The fox jumps.", "A dog sleeps.", "River bank."]},
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is much faster than two on a shared, loaded CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def sk(tokenizer):
+    return SkipModel(make_model("llama", L, seed=1), tokenizer, chat=False, source="tiny-llama")
+
+
+@pytest.fixture
+def items_file(tmp_path):
+    path = tmp_path / "items.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    return path
+
+
+class Recorder:
+    """Wraps ``sk.generate`` to keep every GenerationResult the harness gets (by policy)."""
+
+    def __init__(self, sk, monkeypatch):
+        self.calls = []
+        original = sk.generate
+
+        def generate(prompts, **kw):
+            res = original(prompts, **kw)
+            self.calls.append((list(prompts), kw["policy"].to_dict(), kw["max_new_tokens"], res))
+            return res
+
+        monkeypatch.setattr(sk, "generate", generate)
+
+    def timed(self, policy: dict, max_new_tokens: int):
+        return [c for c in self.calls if c[1] == policy and c[2] == max_new_tokens]
+
+
+def test_evaluate_end_to_end_report(sk, items_file, monkeypatch):
+    items = load_eval_items(items_file)
+    rec = Recorder(sk, monkeypatch)
+    report = evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=9, stop=(), warmup=True)
+    assert isinstance(report, Report)
+    # one row per policy, the full-depth reference first although it was not asked for
+    assert [(r.model, r.policy) for r in report.rows] == [("tiny-llama", "full"), ("tiny-llama", "2x")]
+    full, skip = report.rows
+    assert full.reference and not skip.reference and skip.reference_policy == "full"
+    assert full.theoretical_speedup == 1.0 and full.wallclock_speedup == 1.0 and full.decode_speedup == 1.0
+    assert full.mean_active_layers == L
+    assert skip.policy_config == sk.policy_for(speedup=2.0).to_dict()
+    assert isinstance(sk.policy_for(speedup=2.0), LinearDecayPolicy)
+    for row in report.rows:
+        calls = rec.timed(row.policy_config, 9)  # the untimed warm-up call used 8 tokens
+        assert [len(c[0]) for c in calls] == [2, 2, 1]
+        results = [c[3] for c in calls]
+        steps = sum(r.decode_steps for r in results)
+        layers = sum(sum(r.layers_run) for r in results)
+        assert steps > 0
+        assert row.decode_steps == steps and row.layers_run == layers
+        # realised theoretical speedup: sum over batches of L*steps / sum of layers run
+        assert row.theoretical_speedup == pytest.approx(L * steps / layers)
+        assert row.mean_active_layers == pytest.approx(layers / steps)
+        assert row.generations == [t.strip() for r in results for t in r.texts]
+        assert row.new_tokens == sum(sum(r.new_tokens) for r in results)
+        assert row.tokens_per_second > 0 and row.step_seconds > 0
+        assert row.n_items == 5 and len(row.finish_reasons) == 5 and row.batch_size == 2
+        refs = [list(it.references) for it in items]
+        assert row.scores == pytest.approx(score_all(row.generations, refs, TASKS["plain"].metrics))
+    assert skip.theoretical_speedup > 1.0
+    assert skip.wallclock_speedup == pytest.approx(skip.tokens_per_second / full.tokens_per_second)
+    assert skip.decode_speedup == pytest.approx(full.step_seconds / skip.step_seconds)
+
+
+def test_report_files_json_markdown_png(sk, items_file, tmp_path):
+    items = load_eval_items(items_file)
+    report = evaluate(sk, items, ["full", 2], batch_size=3, max_new_tokens=5, stop=(), warmup=False,
+                      command="skipdecode eval --test", data=str(items_file))
+    paths = report.save(tmp_path / "out", "run")
+    assert {k: p.name for k, p in paths.items()} == {"json": "run.json", "md": "run.md", "png": "run.png"}
+    data = json.loads(paths["json"].read_text())
+    assert set(data) == {"meta", "rows", "items"}
+    meta = data["meta"]
+    for key in ("command", "date", "versions", "data", "task", "metrics", "n_items", "batch_size",
+                "max_new_tokens", "quality_metric"):
+        assert key in meta, key
+    assert meta["command"] == "skipdecode eval --test" and meta["n_items"] == 5 and meta["batch_size"] == 3
+    assert {"torch", "transformers", "skipdecode"} <= set(meta["versions"])
+    assert len(data["items"]) == 5 and data["items"][0]["references"] == RECORDS[0]["references"]
+    assert [r["policy"] for r in data["rows"]] == ["full", "2x"]
+    for row in data["rows"]:
+        for key in ("model", "policy", "scores", "mean_active_layers", "theoretical_speedup",
+                    "tokens_per_second", "wallclock_speedup", "batch_size", "generations", "reference"):
+            assert key in row, key
+        assert len(row["generations"]) == 5
+        assert set(row["scores"]) == {"bleu", "chrf", "rouge1", "rouge2", "rougeL"}
+    md = paths["md"].read_text()
+    table = [line for line in md.splitlines() if line.startswith("| tiny-llama")]
+    assert len(table) == 2 and "BLEU" in md and "ROUGE-L" in md and "chrF" in md
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_policy_resolution_and_deduplication(sk, items_file):
+    items = load_eval_items(items_file)[:2]
+    report = evaluate(sk, items, ["full", 1, "checkpoint", "1x"], batch_size=2, max_new_tokens=3, stop=(), warmup=False)
+    assert [r.policy for r in report.rows] == ["full"]  # all the same policy: one (reference) row
+    name, pol = resolve_policy(sk, "2x")
+    assert name == "2x" and pol == sk.policy_for(speedup=2.0)
+    custom = LinearDecayPolicy(num_layers=L, max_layers=5, min_layers=3, horizon=4)
+    assert resolve_policy(sk, json.dumps(custom.to_dict())) == ("custom", custom)
+    assert resolve_policy(sk, custom.to_dict()) == ("custom", custom)
+    assert resolve_policy(sk, "full") == ("full", FullPolicy(L))
+    for bad, match in [("fast", "unknown policy"), (0.5, "speedup"), ("{bad json", "JSON"),
+                       (LinearDecayPolicy(num_layers=8, max_layers=4, min_layers=2), "num_layers")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_policy(sk, bad)
+
+
+def test_several_models_each_with_own_reference_and_lazy_loading(sk, tokenizer, items_file):
+    items = load_eval_items(items_file)[:3]
+    loaded = []
+
+    def load_other():
+        loaded.append(True)
+        return SkipModel(make_model("gpt2", 4, seed=2), tokenizer, chat=False)
+
+    report = evaluate({"a": sk, "b": load_other}, items, {"a": [2], "b": ["full"]}, batch_size=2,
+                      max_new_tokens=4, stop=(), warmup=False)
+    assert loaded == [True]
+    assert [(r.model, r.policy, r.reference) for r in report.rows] == [
+        ("a", "full", True), ("a", "2x", False), ("b", "full", True)]
+    assert report.row("b", "full").num_layers == 4
+    with pytest.raises(KeyError):
+        report.row("b", "2x")
+
+
+def test_calm_rows_run_at_batch_one_against_batch_one_reference(sk, items_file):
+    items = load_eval_items(items_file)[:3]
+    report = evaluate(sk, items, None, batch_size=2, max_new_tokens=5, stop=(), warmup=False,
+                      calm_thresholds=[0.0], calm_min_layers=2)
+    assert [(r.policy, r.batch_size, r.reference) for r in report.rows] == [
+        ("full", 2, True), ("full@bs1", 1, True), ("calm@0", 1, False)]
+    calm = report.row("tiny-llama", "calm@0")
+    assert calm.kind == "calm" and calm.reference_policy == "full@bs1"
+    assert calm.decode_steps > 0
+    assert calm.theoretical_speedup == pytest.approx(L / 2)  # threshold 0: every token exits at 2
+    assert calm.compute_layers == L * calm.decode_steps and calm.compute_speedup == 1.0
+    assert calm.head_evals == calm.decode_steps
+    assert calm.policy_config == {"type": "calm", "threshold": 0.0, "min_layers": 2}
+    assert "CALM" in report.to_markdown()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(items=[]), "items is empty"),
+        (dict(items=[EvalItem("p", (), "p")]), "no reference"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(task="summarise"), "unknown task"),
+        (dict(metrics=["meteor"]), "unknown metric"),
+        (dict(policies=["warp"]), "unknown policy"),
+        (dict(policies={"nope": [2]}), "unknown model"),
+        (dict(calm_thresholds=[-1.0]), "threshold"),
+    ],
+)
+def test_evaluate_rejects_bad_arguments(sk, kwargs, match):
+    args = dict(items=[EvalItem("p", ("r",), "p")], policies=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        evaluate(sk, args.pop("items"), args.pop("policies"), warmup=False, **args)
+
+
+def test_detect_task(tmp_path, items_file):
+    csv = tmp_path / "x.csv"
+    csv.write_text('"mr","ref"\n"name[A]","A."\n')
+    cnn = tmp_path / "c.jsonl"
+    cnn.write_text(json.dumps({"article": "a", "highlights": "b"}) + "\n")
+    assert detect_task(csv) == "e2e" and detect_task(cnn) == "cnndm" and detect_task(items_file) == "plain"
+    assert detect_task(tmp_path / "missing.jsonl") == "plain"
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    SkipModel(make_model("llama", L, seed=1), tokenizer, chat=False).save_pretrained(path)
+    return path
+
+
+def _run(args):
+    result = CliRunner().invoke(app, args)
+    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    return result, " ".join(text.split())  # rich wraps long error lines
+
+
+def test_cli_eval_writes_report(ckpt, items_file, tmp_path):
+    out = tmp_path / "out"
+    result, text = _run(["eval", "--model", str(ckpt), "--data", str(items_file), "--speedup", "1", "--speedup", "2",
+                         "--batch-size", "2", "--max-new-tokens", "4", "--limit", "3", "--out", str(out),
+                         "--name", "e", "--no-progress"])
+    assert result.exit_code == 0, text
+    assert "| tiny | full" in result.stdout and "| tiny | 2x" in result.stdout
+    data = json.loads((out / "e.json").read_text())
+    assert data["meta"]["command"].startswith("skipdecode ")
+    assert data["meta"]["n_items"] == 3 and [r["policy"] for r in data["rows"]] == ["full", "2x"]
+    assert (out / "e.md").exists() and (out / "e.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    "content, name, match",
+    [
+        (None, "missing.jsonl", "does not exist"),
+        ('{"question": "q", "answer": "a"}\n', "bad_keys.jsonl", "prompt"),
+        ('{"prompt": "p", "references": ["r"]}\n{not json\n', "broken.jsonl", "line 2"),
+        ('"meaning","text"\n"name[A]","A."\n', "bad_cols.csv", "mr"),
+        ("hello\n", "notes.txt", "unsupported file type"),
+    ],
+)
+def test_bad_data_files_give_data_error_and_clean_cli_exit(ckpt, tmp_path, content, name, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=match):
+        load_eval_items(path)
+    result, text = _run(["eval", "--model", str(ckpt), "--data", str(path), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert result.exit_code == 2, text
+    assert "error" in text and match in text
+    assert "Traceback" not in text and isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--speedup", "0.5"], "speedup"),
+        (["--policy", "warp"], "unknown policy"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--task", "qa"], "--task"),
+        (["--metric", "meteor"], "unknown metric"),
+    ],
+)
+def test_cli_bad_options_exit_2(ckpt, items_file, tmp_path, extra, match):
+    result, text = _run(["eval", "--model", str(ckpt), "--data", str(items_file), "--limit", "1",
+                         "--max-new-tokens", "2", "--out", str(tmp_path / "o"), "--no-progress", *extra])
+    assert result.exit_code == 2, text
+    assert match in text and "Traceback" not in text and isinstance(result.exception, SystemExit)
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/eval_e2e.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_e2e.py"
+    spec = importlib.util.spec_from_file_location("eval_e2e_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
+    csv = tmp_path / "test.csv"
+    csv.write_text(
+        '"mr","ref"\n'
+        '"name[The Eagle], eatType[coffee shop]","The Eagle is a coffee shop."\n'
+        '"name[The Eagle], eatType[coffee shop]","A coffee shop called The Eagle."\n'
+        '"name[Blue Spice], food[French]","Blue Spice serves French food."\n'
+        '"name[Blue Spice], area[riverside]","Blue Spice is by the riverside."\n'
+    )
+    two = LinearDecayPolicy(num_layers=L, max_layers=4, min_layers=2, horizon=8)
+    ckpt2 = tmp_path / "e2e-2x"
+    SkipModel(make_model("llama", L, seed=3), tokenizer, policy=two, chat=False).save_pretrained(ckpt2)
+    script = _load_script()
+    rc = script.main(["--ckpt", f"2x={ckpt2}", "--stock", str(ckpt), "--data", str(csv), "--batch-size", "2",
+                      "--max-new-tokens", "4", "--calm-threshold", "0", "--calm-min-layers", "3",
+                      "--out", str(tmp_path / "res"), "--no-progress"])
+    assert rc == 0
+    data = json.loads((tmp_path / "res" / "eval_e2e.json").read_text())
+    assert data["meta"]["n_items"] == 3 and data["meta"]["task"] == "e2e"
+    assert data["meta"]["metrics"] == ["bleu", "chrf", "rougeL"] and data["meta"]["stop"] == ["\n"]
+    rows = [(r["model"], r["policy"], r["policy_config"]) for r in data["rows"]]
+    # stock: full + the 2x checkpoint's very schedule; 2x: full (sanity row) + its own schedule + CALM
+    assert rows[0][:2] == ("stock", "full") and rows[1][:2] == ("stock", "2x (= ckpt 2x)")
+    assert rows[1][2] == two.to_dict() and rows[3][2] == two.to_dict()
+    assert [r[:2] for r in rows[2:]] == [("2x", "full"), ("2x", "checkpoint"), ("2x", "full@bs1"), ("2x", "calm@0")]
+    assert (tmp_path / "res" / "eval_e2e.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| 2x | checkpoint" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--ckpt", str(tmp_path / "nope"), "--data", str(csv)])
+    assert exc.value.code == 2
