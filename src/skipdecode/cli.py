@@ -337,7 +337,7 @@ def bench(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time Hugging Face generate on the same prompts."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Prompt pool, one per line (default: 32 built-in prompts)."),
-    output: Path = typer.Option(Path("benchmarks/results/decode_speed.json"), "--output", "-o", help="Results JSON (a PNG plot is written beside it)."),
+    output: Path = typer.Option(Path("benchmarks/results/decode_speed.json"), "--output", "--out", "-o", help="Results JSON (a PNG plot is written beside it)."),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot beside the JSON."),
     profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
@@ -391,7 +391,8 @@ def bench(
         if profile:
             result["profile"] = B.profile_decode(
                 sk, batch_sizes=profile_sizes, speedups=targets[-1:] if targets else (), new_tokens=new_tokens,
-                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, prompts=prompts, on_progress=progress,
+                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, predict_speedups=targets, prompts=prompts,
+                on_progress=progress,
             )
     except ValueError as e:
         fail(str(e))

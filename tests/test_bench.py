@@ -1,0 +1,185 @@
+"""The decode-speed benchmark on a tiny model: well-formed rows, exact theoretical ratios, files.
+
+No timing assertions (timed tests are forbidden): only structure and the exact compute ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from skipdecode.bench import (
+    batch_prompts,
+    parse_float_list,
+    parse_int_list,
+    profile_decode,
+    results_table,
+    profile_table,
+    run_benchmark,
+    write_plot,
+    write_results,
+)
+from skipdecode.model import SkipModel
+from skipdecode.policy import policy_from_dict
+
+from conftest import make_model, make_tokenizer
+
+NUM_LAYERS = 10
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return SkipModel(make_model("llama", num_layers=NUM_LAYERS), make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def result(tiny):
+    return run_benchmark(
+        tiny, batch_sizes=(1, 2), speedups=(2, 5), new_tokens=NEW_TOKENS, repeats=1, warmup=0, include_hf=True
+    )
+
+
+ROW_KEYS = {
+    "batch_size", "engine", "policy", "target_speedup", "policy_config", "num_layers", "decode_steps",
+    "layers_run", "mean_active_layers", "theoretical_speedup", "step_ms", "step_ms_runs", "engine_step_ms",
+    "ttft_ms", "tokens_per_s", "wall_speedup", "wall_over_theoretical", "hf_step_ms", "full_vs_hf",
+}
+
+
+def test_rows_well_formed(result):
+    rows = result["rows"]
+    # per batch size: full, 2x, 5x, HF
+    assert [(r["batch_size"], r["policy"]) for r in rows] == [
+        (1, "full"), (1, "2x"), (1, "5x"), (1, "hf-generate"), (2, "full"), (2, "2x"), (2, "5x"), (2, "hf-generate"),
+    ]
+    for r in rows:
+        assert ROW_KEYS <= set(r)
+        assert r["num_layers"] == NUM_LAYERS
+        assert r["decode_steps"] == NEW_TOKENS - 1 == len(r["layers_run"])
+        assert len(r["step_ms_runs"]) == 1
+        for key in ("step_ms", "ttft_ms", "tokens_per_s", "wall_speedup", "wall_over_theoretical"):
+            assert math.isfinite(r[key]) and r[key] > 0, key
+        assert r["mean_active_layers"] == pytest.approx(sum(r["layers_run"]) / len(r["layers_run"]))
+        assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * 1000 / r["step_ms"])
+        assert r["wall_over_theoretical"] == pytest.approx(r["wall_speedup"] / r["theoretical_speedup"])
+    json.dumps(result)  # serialisable
+    assert result["meta"]["new_tokens"] == NEW_TOKENS and result["meta"]["horizon"] == NEW_TOKENS
+
+
+def test_theoretical_speedups_are_exact(result):
+    for r in result["rows"]:
+        if r["policy"] in ("full", "hf-generate"):
+            assert r["theoretical_speedup"] == 1.0
+            assert r["layers_run"] == [NUM_LAYERS] * (NEW_TOKENS - 1)
+            if r["engine"] == "skipdecode":
+                assert r["wall_speedup"] == pytest.approx(1.0)
+                assert r["full_vs_hf"] == pytest.approx(r["hf_step_ms"] / r["step_ms"])
+                assert r["tokens_match_hf"] is True  # float32: our full depth == HF greedy
+            continue
+        policy = policy_from_dict(r["policy_config"])
+        steps = range(1, NEW_TOKENS)
+        assert r["layers_run"] == [policy.budget(t) for t in steps]
+        expected = NUM_LAYERS * len(steps) / sum(policy.budget(t) for t in steps)
+        assert r["theoretical_speedup"] == pytest.approx(expected, rel=0, abs=1e-12)
+        assert r["theoretical_speedup"] > 1.0
+        assert r["policy_config"]["horizon"] == NEW_TOKENS
+
+
+def test_targets_summary(result):
+    t = result["targets"]
+    assert set(t["full_vs_hf"]) == {"1", "2"}
+    assert set(t["wall_over_theoretical"]) == {"1/2x", "1/5x"}  # batch 2 is not a target batch
+    assert isinstance(t["full_not_slower_than_hf"], bool)
+
+
+def test_results_file_and_plot(result, tmp_path):
+    path = write_results(result, tmp_path / "out" / "decode_speed.json")
+    assert path.exists()
+    assert json.loads(path.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    png = write_plot(result, tmp_path / "out" / "decode_speed.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results_table(result).row_count == len(result["rows"])
+
+
+def test_without_hf_and_large_batch(tiny):
+    res = run_benchmark(tiny, batch_sizes=(3,), speedups=(), new_tokens=3, repeats=1, warmup=0, include_hf=False)
+    assert [r["policy"] for r in res["rows"]] == ["full"]
+    assert res["rows"][0]["full_vs_hf"] is None and res["targets"]["full_not_slower_than_hf"] is None
+
+
+def test_profile_breakdown(tiny):
+    prof = profile_decode(tiny, batch_sizes=(1, 2), speedups=(5,), new_tokens=4, repeats=1)
+    assert [(r["batch_size"], r["policy"]) for r in prof["rows"]] == [(1, "full"), (1, "5x"), (2, "full"), (2, "5x")]
+    for r in prof["rows"]:
+        assert r["step_ms"] == pytest.approx(sum(r["parts_ms"].values()))
+        ran = {int(k) for k in r["per_layer_ms"]}
+        assert {0, NUM_LAYERS - 1} <= ran <= set(range(NUM_LAYERS))  # warm-up and top layer always run
+        assert 0 < r["head_share_of_bytes"] < 1 and r["floor_ms"] > 0
+        assert r["bytes_speedup_bound"] >= 1.0
+    full = prof["rows"][0]
+    assert full["bytes_speedup_bound"] == pytest.approx(1.0)
+    assert len(full["per_layer_ms"]) == NUM_LAYERS
+    assert profile_table(prof).row_count > 7
+    preds = prof["predictions"]
+    assert [(p["batch_size"], p["policy"]) for p in preds] == [(b, f"{s}x") for b in (1, 2) for s in (2, 3, 5)]
+    for p in preds:
+        assert p["amdahl_ratio"] == pytest.approx(p["amdahl_speedup"] / p["theoretical_speedup"])
+        assert 1.0 <= p["bytes_speedup_bound"] < p["theoretical_speedup"]  # the LM head caps it
+    json.dumps(prof)
+
+
+def test_bad_arguments(tiny):
+    with pytest.raises(ValueError, match="new_tokens"):
+        run_benchmark(tiny, batch_sizes=(1,), new_tokens=1)
+    with pytest.raises(ValueError, match="speedup"):
+        run_benchmark(tiny, batch_sizes=(1,), speedups=(50,), new_tokens=3, repeats=1, warmup=0)
+    with pytest.raises(ValueError, match="--batch-sizes"):
+        parse_int_list("1,x", "--batch-sizes")
+    with pytest.raises(ValueError):
+        parse_int_list("0", "b")
+    with pytest.raises(ValueError):
+        parse_float_list("1", "s")
+    assert parse_float_list("") == [] and parse_int_list("1, 8") == [1, 8]
+    assert len(batch_prompts(40)) == 40 and len(set(batch_prompts(32))) == 32
+
+
+def test_cli_bench_last_line_is_json(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    ckpt = tiny.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "res" / "speed.json"
+    args = [
+        "bench", "--model", str(ckpt), "--batch-sizes", "1,2", "--speedups", "2", "--new-tokens", "3",
+        "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(out), "--profile",
+        "--profile-batch-sizes", "1",
+    ]
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(app, args)
+    finally:
+        torch.set_num_threads(threads)  # the command sets the process-wide thread count
+    assert res.exit_code == 0, res.output
+    last = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [(r["batch_size"], r["policy"]) for r in last["rows"]] == [
+        (1, "full"), (1, "2x"), (1, "hf-generate"), (2, "full"), (2, "2x"), (2, "hf-generate"),
+    ]
+    assert [(r["batch_size"], r["policy"]) for r in last["profile"]["rows"]] == [(1, "full"), (1, "2x")]
+    assert json.loads(out.read_text())["rows"] == last["rows"]
+    assert out.with_suffix(".png").exists()
+
+
+def test_cli_bench_bad_options(tmp_path):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    for args, word in ((["--batch-sizes", "1,x"], "--batch-sizes"), (["--new-tokens", "1"], "--new-tokens"),
+                       (["--speedups", "0.5"], "--speedups")):
+        res = CliRunner().invoke(app, ["bench", *args, "--out", str(tmp_path / "x.json")])
+        assert res.exit_code == 2 and word in res.output, res.output

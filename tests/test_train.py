@@ -1,0 +1,476 @@
+"""Skip-aware fine-tuning: exact teacher forcing, the training loop, checkpoints, resume, LoRA,
+distillation and the ``skipdecode train`` command. Tiny random models, offline, no shared data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAMILIES, make_model, make_tokenizer
+
+from skipdecode.adapters import get_adapter
+from skipdecode.data import DataError, Example
+from skipdecode.generate import encode_prompts, generate_step
+from skipdecode.model import SKIP_CONFIG_NAME, SkipModel
+from skipdecode.policy import FullPolicy, LinearDecayPolicy, for_speedup
+from skipdecode.train import (
+    TokenizedExample,
+    TrainConfig,
+    TrainConfigError,
+    build_layer_mask,
+    build_policies,
+    collate,
+    latest_checkpoint,
+    measure_throughput,
+    teacher_forced_logits,
+    tokenize_examples,
+    train,
+)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU the thread pool's
+    spinning makes them 10-20x slower; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+MRS = [
+    "name[The Eagle], eatType[coffee shop], food[French]",
+    "name[The Mill], eatType[pub], area[riverside]",
+    "name[Alimentum], food[Italian], priceRange[cheap]",
+    "name[Blue Spice], area[city centre], familyFriendly[no]",
+    "name[Zizzi], eatType[restaurant], food[English]",
+    "name[Cotto], priceRange[moderate], area[riverside]",
+]
+REFS = [
+    "The Eagle is a French coffee shop.",
+    "The Mill is a pub by the riverside.",
+    "Alimentum is a cheap Italian place.",
+    "Blue Spice is in the city centre and not family friendly.",
+    "Zizzi is an English restaurant.",
+    "Cotto is a moderately priced place by the riverside.",
+]
+
+
+def examples(n_refs: int = 1) -> list[Example]:
+    """E2E-like pairs with the e2e template applied (several references per MR when n_refs > 1)."""
+    out = []
+    for mr, ref in zip(MRS, REFS):
+        prompt = f"Describe the restaurant in one sentence.\n{mr}\nDescription:"
+        for k in range(n_refs):
+            out.append(Example(prompt, ref if k == 0 else ref.replace(" is ", " is really ")))
+    return out
+
+
+def tiny_skipmodel(family: str = "llama", num_layers: int = 6, chat: bool = True, seed: int = 0) -> SkipModel:
+    return SkipModel(make_model(family, num_layers, seed=seed), make_tokenizer(), chat=chat, source="tiny")
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out), speedup=2.0, batch_size=2, max_steps=3, lr=1e-3, progress=False, warmup_ratio=0.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer mask and exact teacher forcing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_build_layer_mask_follows_the_schedule():
+    L = 6
+    policy = LinearDecayPolicy(num_layers=L, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
+    prompt_lens, seq_lens, T = [3, 1], [7, 6], 8
+    mask = build_layer_mask(policy, prompt_lens, seq_lens, T, L)
+    assert mask.shape == (2, T, L) and mask.dtype == torch.bool
+    for b in range(2):
+        P, S = prompt_lens[b], seq_lens[b]
+        for p in range(T):
+            if p < P:
+                expected = set(range(L))  # prefill: full depth
+            elif p < S:
+                expected = set(policy.active_layers(p - P + 1))  # response token i = p - P runs step i + 1
+            else:
+                expected = set()  # padding
+            assert set(mask[b, p].nonzero().flatten().tolist()) == expected, (b, p)
+    # monotone along each row's response (rule 2) and the top layer always runs on real tokens
+    assert bool(mask[0, :7, L - 1].all()) and bool(mask[1, :6, L - 1].all())
+    # full policy: every real position runs every layer
+    full = build_layer_mask(FullPolicy(L), prompt_lens, seq_lens, T, L)
+    assert bool(full[0, :7].all()) and not bool(full[0, 7:].any())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(prompt_lens=[0], seq_lens=[3], T=4),  # empty prompt
+        dict(prompt_lens=[3], seq_lens=[2], T=4),  # seq shorter than prompt
+        dict(prompt_lens=[2], seq_lens=[5], T=4),  # longer than T
+        dict(prompt_lens=[2, 2], seq_lens=[3], T=4),  # mismatched
+    ],
+)
+def test_build_layer_mask_rejects_bad_lengths(kwargs):
+    with pytest.raises(ValueError):
+        build_layer_mask(FullPolicy(4), num_layers=4, **kwargs)
+    with pytest.raises(ValueError, match="num_layers"):
+        build_layer_mask(FullPolicy(3), [1], [2], 2, 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_forcing_equals_cached_decoding(family, tokenizer):
+    """The training forward's logits at every response position equal KV-cached decoding's under the
+    same policy, for the tokens greedy decoding produced (float32, 1e-4), for each family."""
+    model = make_model(family, num_layers=6)
+    adapter = get_adapter(model)
+    policy = LinearDecayPolicy(num_layers=6, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
+    prompts = ["The Eagle is a coffee shop by the river", "name[The Eagle]"]  # different lengths
+    ids, mask = encode_prompts(tokenizer, prompts)
+    n_new = 9
+    steps = list(generate_step(adapter, ids, mask, policy=policy, max_new_tokens=n_new, eos_token_ids=()))
+    generated = torch.stack([s.tokens for s in steps], 1)  # (B, n_new)
+    decode_logits = torch.stack([s.logits for s in steps], 1)  # (B, n_new, V)
+    items = [TokenizedExample(tuple(ids[b][mask[b].bool()].tolist()), tuple(generated[b].tolist())) for b in range(2)]
+    batch = collate(items, pad_token_id=0)
+    logits = teacher_forced_logits(adapter, batch, policy)  # (B, T, V)
+    full = teacher_forced_logits(adapter, batch, FullPolicy(6))
+    for b, item in enumerate(items):
+        P = len(item.prompt_ids)
+        torch.testing.assert_close(logits[b, P - 1:P - 1 + n_new], decode_logits[b], rtol=0, atol=1e-4)
+        # not trivially true: the skipped plan changes the logits after token 0
+        assert (full[b, P:P - 1 + n_new] - decode_logits[b, 1:]).abs().max() > 1e-3
+    # the loss path (logits at target positions only) is the same computation
+    target_logits, labels = teacher_forced_logits(adapter, batch, policy, targets_only=True)
+    expected = torch.cat([decode_logits[b] for b in range(2)])
+    torch.testing.assert_close(target_logits, expected, rtol=0, atol=1e-4)
+    assert labels.tolist() == generated.flatten().tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tokenize_matches_inference_prompt_and_appends_eos(tokenizer):
+    exs = examples()[:3]
+    items, dropped = tokenize_examples(tokenizer, exs, chat=True, max_length=256)
+    assert dropped == 0
+    for ex, item in zip(exs, items):
+        ids, mask = encode_prompts(tokenizer, [ex.prompt], chat=True)
+        assert list(item.prompt_ids) == ids[0][mask[0].bool()].tolist()  # exactly what inference feeds
+        assert item.response_ids[-1] == tokenizer.eos_token_id
+        assert list(item.response_ids[:-1]) == tokenizer(ex.response, add_special_tokens=False)["input_ids"]
+    plain, _ = tokenize_examples(tokenizer, exs[:1], chat=False, max_length=256)
+    assert list(plain[0].response_ids[:-1]) == tokenizer(" " + exs[0].response, add_special_tokens=False)["input_ids"]
+    # truncation: the response is cut to fit; a prompt that fills max_length drops the example
+    P = len(items[0].prompt_ids)
+    cut, _ = tokenize_examples(tokenizer, exs[:1], chat=True, max_length=P + 2)
+    assert len(cut[0]) == P + 2 and cut[0].response_ids == items[0].response_ids[:2]
+    gone, n = tokenize_examples(tokenizer, exs[:1], chat=True, max_length=P)
+    assert gone == [None] and n == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(lr=-1.0), "lr"),
+        (dict(grad_accum=1.5), "grad_accum"),
+        (dict(speedup=0.5), "speedup"),
+        (dict(speedup=None), "speedup"),
+        (dict(speedup=None, speedups=()), "speedups"),
+        (dict(speedups=(2.0, 3.0)), "speedups"),  # combined with speedup
+        (dict(speedup=None, max_layers=3, min_layers=4), "min_layers"),
+        (dict(val_fraction=1.0), "val_fraction"),
+        (dict(lr_scheduler="step"), "lr_scheduler"),
+        (dict(device="tpu"), "device"),
+        (dict(task="nope"), "task"),
+        (dict(lora_alpha=16), "lora_alpha"),
+        (dict(kl_weight=-0.1), "kl_weight"),
+        (dict(out_dir=""), "out_dir"),
+        (dict(bf16="yes"), "bf16"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, kw, field):
+    with pytest.raises(TrainConfigError) as info:
+        cfg(tmp_path, **kw)
+    assert info.value.field == field and str(info.value).startswith(field)
+
+
+def test_config_is_frozen_and_policies_fit_the_model(tmp_path):
+    c = cfg(tmp_path, speedup=None, speedups=[2, 3])
+    assert c.speedups == (2.0, 3.0)
+    with pytest.raises(Exception):
+        c.lr = 1.0  # frozen
+    labels = [label for label, _ in build_policies(c, 30, 28)]
+    assert labels == ["2", "3"]
+    assert build_policies(c, 30, 28)[0][1] == for_speedup(30, 2.0, 28)
+    with pytest.raises(TrainConfigError) as info:
+        build_policies(cfg(tmp_path, speedup=5.0), 6, 10)  # 6 / 5 < 2 layers per step
+    assert info.value.field == "speedup"
+    with pytest.raises(TrainConfigError) as info:
+        build_policies(cfg(tmp_path, speedup=None, max_layers=9), 6, 10)
+    assert info.value.field == "max_layers"
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------
+
+
+def test_train_learns_the_schedule_and_writes_a_loadable_checkpoint(tmp_path):
+    import skipdecode
+
+    sk = tiny_skipmodel()
+    before = weights(sk.model)
+    result = train(sk, examples(), cfg(tmp_path / "run", max_steps=12, lr=3e-3, checkpoint_every=6, val_fraction=0.2,
+                                       eval_every=6, speedups=(1, 2), speedup=None))
+    assert result.steps == 12 and len(result.train_log) == 12
+    losses = [r["loss"] for r in result.train_log]
+    assert losses[-1] < losses[0]
+    assert {r["speedup"] for r in result.train_log} == {"1", "2"}  # mixed-policy training
+    assert [v["step"] for v in result.val_log] == [0, 6, 12] and set(result.val_log[0]["by_policy"]) == {"1", "2"}
+    assert result.tokens_per_second > 0 and result.tokens_seen > 0
+    assert result.data["n_val"] >= 1 and result.data["examples_seen"] == 24
+    assert any((before[k] != v).any() for k, v in sk.model.state_dict().items())  # trained in place
+    # checkpoint + final model: HF directory + skipdecode.json with policy, settings, data, losses
+    final = Path(result.final_dir)
+    assert (final / "config.json").exists() and (final / "model.safetensors").exists()
+    meta = json.loads((final / SKIP_CONFIG_NAME).read_text())
+    assert meta["policy"] == result.policy == FullPolicy(6).to_dict()  # first of speedups=(1, 2)
+    assert set(meta["policies"]) == {"1", "2"} and meta["horizon"] == result.horizon
+    assert meta["training"]["config"]["lr"] == 3e-3 and meta["data"]["examples_seen"] == 24
+    assert len(meta["losses"]["train"]) == 12
+    assert latest_checkpoint(tmp_path / "run").name == "checkpoint-00000012"  # save_total_limit=1
+    assert not (tmp_path / "run" / "checkpoint-00000006").exists()
+    record = json.loads((tmp_path / "run" / "train_record.json").read_text())
+    assert record["steps"] == 12
+    loaded = skipdecode.load(final)
+    assert loaded.policy == FullPolicy(6) and loaded.chat
+    torch.testing.assert_close(weights(loaded.model)["model.embed_tokens.weight"], sk.model.model.embed_tokens.weight)
+    # a fresh run into a directory holding checkpoints is refused (no silent mixing of runs)
+    with pytest.raises(TrainConfigError) as info:
+        train(tiny_skipmodel(), examples(), cfg(tmp_path / "run"))
+    assert info.value.field == "out_dir"
+
+
+def test_examples_whose_prompt_fills_max_length_are_dropped_and_counted(tmp_path, tokenizer):
+    exs = examples()
+    lengths = sorted(len(x.prompt_ids) for x in tokenize_examples(tokenizer, exs, chat=True, max_length=512)[0])
+    cut = lengths[len(lengths) // 2]  # prompts of >= cut tokens cannot fit a response token
+    n_long = sum(n >= cut for n in lengths)
+    result = train(tiny_skipmodel(), exs, cfg(tmp_path / "run", max_length=cut, max_steps=2))
+    assert result.data["n_train_dropped_too_long"] == n_long and result.data["n_train"] == len(exs) - n_long
+    with pytest.raises(DataError, match="max_length"):
+        train(tiny_skipmodel(), exs, cfg(tmp_path / "run2", max_length=lengths[0]))
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, lora):
+    """N steps straight == k steps, a kill, then resume to N (weights within 1e-6)."""
+    extra = dict(lora_r=4, lr=1e-2) if lora else {}
+    settings = dict(max_steps=6, grad_accum=2, speedup=None, speedups=(1, 2, 3), checkpoint_every=3,
+                    warmup_ratio=0.3, **extra)
+    straight = tiny_skipmodel()
+    train(straight, examples(), cfg(tmp_path / "a", **settings))
+
+    def kill(info):
+        if info["step"] == 3:
+            raise Killed
+
+    killed = tiny_skipmodel()
+    with pytest.raises(Killed):
+        train(killed, examples(), cfg(tmp_path / "b", **settings), callback=kill)
+    assert latest_checkpoint(tmp_path / "b").name == "checkpoint-00000003"
+    assert not (tmp_path / "b" / "final").exists()
+    resumed = tiny_skipmodel()  # a fresh process: the original model again
+    result = train(resumed, examples(), cfg(tmp_path / "b", resume=True, **settings))
+    assert result.resumed_from.endswith("checkpoint-00000003") and result.steps == 6
+    a, b = weights(straight.model), weights(resumed.model)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+    fresh = weights(tiny_skipmodel().model)
+    assert any((a[k] != fresh[k]).any() for k in a)  # it did train (LoRA runs are merged at the end)
+    straight_log = json.loads((tmp_path / "a" / "train_record.json").read_text())["train_log"]
+    assert [r["loss"] for r in result.train_log] == pytest.approx([r["loss"] for r in straight_log], abs=1e-6)
+    # a resume with different settings is refused, naming the field
+    with pytest.raises(TrainConfigError) as info:
+        train(tiny_skipmodel(), examples(), cfg(tmp_path / "b", resume=True, **{**settings, "grad_accum": 1}))
+    assert info.value.field == "grad_accum"
+
+
+def test_lora_saves_only_the_adapter_and_load_merges_it(tmp_path):
+    import skipdecode
+
+    base_dir = tmp_path / "base"
+    base = tiny_skipmodel()
+    base.save_pretrained(base_dir)
+    sk = skipdecode.load(base_dir)
+    before = weights(sk.model)
+    result = train(sk, examples(), cfg(tmp_path / "run", lora_r=4, lr=1e-2, max_steps=4, speedup=2.0))
+    assert result.lora
+    final = Path(result.final_dir)
+    assert (final / "adapter_config.json").exists() and (final / "adapter_model.safetensors").exists()
+    assert not (final / "model.safetensors").exists()  # only the adapter
+    meta = json.loads((final / SKIP_CONFIG_NAME).read_text())
+    assert meta["base_model"] == str(base_dir.resolve())
+    merged = skipdecode.load(final)
+    assert merged.policy == for_speedup(6, 2.0, result.horizon)
+    # the merged model computes what the trained peft model computed
+    batch = collate(tokenize_examples(sk.tokenizer, examples()[:2], chat=True, max_length=128)[0])
+    trained_logits = teacher_forced_logits(sk.adapter, batch, merged.policy)  # sk.model holds LoRA layers in place
+    merged_logits = teacher_forced_logits(merged.adapter, batch, merged.policy)
+    torch.testing.assert_close(merged_logits, trained_logits, rtol=0, atol=1e-4)
+    base_only = SkipModel(make_model("llama"), make_tokenizer())
+    base_logits = teacher_forced_logits(base_only.adapter, batch, merged.policy)
+    assert (merged_logits - base_logits).abs().max() > 1e-4  # the adapter changed something
+    assert any(not torch.equal(before[k], v) for k, v in weights(merged.model).items())
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_distill_trains_on_full_depth_greedy_answers(tmp_path, lora_r):
+    """Teacher = the full-depth model before training (a frozen copy, or the LoRA base with the
+    adapter disabled); the student learns its greedy answers (+ KL to its logits)."""
+    sk = tiny_skipmodel("gpt2", chat=False)
+    prompts = [e.prompt for e in examples()]
+    # expected teacher answers: the same model, full depth, greedy, before training
+    from skipdecode.generate import generate
+
+    expected = generate(sk.adapter, sk.tokenizer, prompts, policy=FullPolicy(6), max_new_tokens=6)
+    result = train(sk, prompts, cfg(tmp_path / "run", distill=True, kl_weight=0.5, distill_max_new_tokens=6,
+                                    max_steps=3, checkpoint_every=3, speedup=2.0, lora_r=lora_r))
+    assert result.distill and result.data["distill_prompts"] == len(prompts)
+    answers = json.loads((tmp_path / "run" / "checkpoint-00000003" / "train_state" / "distill_answers.json").read_text())
+    assert answers == dict(zip(prompts, expected.token_ids))
+    assert all(r["kl"] >= 0 for r in result.train_log) and result.train_log[0]["kl"] > 0
+    import math
+    import statistics
+
+    lengths = [len(ids) - (ids[-1] == sk.tokenizer.eos_token_id) for ids in expected.token_ids]
+    assert result.horizon == max(1, math.floor(statistics.median(lengths) + 0.5))
+
+
+def test_gradient_checkpointing_is_honoured_and_exact(tmp_path):
+    """HF activation checkpointing on the stock layers: our loop honours it (each layer's MLP runs
+    twice per step: forward + recompute) and the trained weights match training without it."""
+    runs = {}
+    calls = {}
+    for ckpt in (False, True):
+        sk = tiny_skipmodel()
+        count = [0]
+        for layer in sk.adapter.layers:  # count MLP runs (module hooks do not fire in the recompute)
+            def counted(*args, _f=layer.mlp.forward, **kwargs):
+                count[0] += 1
+                return _f(*args, **kwargs)
+
+            layer.mlp.forward = counted
+        train(sk, examples(), cfg(tmp_path / f"run{ckpt}", max_steps=2, gradient_checkpointing=ckpt))
+        runs[ckpt], calls[ckpt] = weights(sk.model), count[0]
+    assert calls[True] == 2 * calls[False]  # every layer recomputed once in backward
+    for k in runs[False]:
+        torch.testing.assert_close(runs[True][k], runs[False][k], rtol=0, atol=1e-6)
+
+
+def test_measure_throughput_reports_tokens_per_second():
+    sk = tiny_skipmodel()
+    out = measure_throughput(sk, examples(), speedups=(1, 3), batch_size=2, steps=1, warmup_steps=0)
+    assert set(out["results"]) == {"1", "3"}
+    assert out["results"]["1"]["active_fraction"] == 1.0 > out["results"]["3"]["active_fraction"]
+    assert out["results"]["3"]["tokens_per_second"] > 0 and out["relative_to_full"]["1"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_skipmodel().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples(2)))
+    return path
+
+
+def test_cli_train_runs_and_writes_the_model(tiny_model_dir, data_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, [
+        "train", "--model", str(tiny_model_dir), "--data", str(data_file), "--speedups", "1,2",
+        "--max-steps", "2", "--batch-size", "2", "--lr", "1e-3", "--out", str(out), "--val-fraction", "0.2",
+        "--seed", "3", "--no-progress",
+    ])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "final" / SKIP_CONFIG_NAME).read_text())
+    assert meta["speedups"] == [1.0, 2.0] and meta["training"]["config"]["seed"] == 3
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["final_dir"].endswith("final")
+
+
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["--batch-size", "0"], "--batch-size"),
+        (["--speedups", "2,x"], "--speedups"),
+        (["--speedup", "9"], "--speedup"),  # too fast for 6 layers
+        (["--max-layers", "9"], "--max-layers"),
+        (["--val-fraction", "1.5"], "--val-fraction"),
+        (["--task", "nope"], "--task"),
+        (["--data", "/nonexistent/file.csv"], "--data"),
+    ],
+)
+def test_cli_train_bad_input_is_a_clean_error(tiny_model_dir, data_file, tmp_path, args, option):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    base = ["train", "--model", str(tiny_model_dir), "--data", str(data_file), "--max-steps", "1",
+            "--out", str(tmp_path / "run"), "--no-progress"]
+    if not any(a in ("--speedup", "--max-layers") for a in args):
+        base += ["--speedup", "2"]
+    res = CliRunner().invoke(app, base + args)
+    assert res.exit_code == 2, res.output
+    assert option in res.output and "Traceback" not in res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model (slow; needs the embedded GGUF)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gguf_default_model_trains_and_saves(tmp_path):
+    import skipdecode
+
+    sk = skipdecode.load()
+    result = train(sk, examples(), cfg(tmp_path / "run", max_steps=1, batch_size=1, speedup=2.0))
+    loaded = skipdecode.load(result.final_dir)
+    assert loaded.num_layers == 30 and loaded.policy == for_speedup(30, 2.0, result.horizon)
