@@ -7,6 +7,7 @@ happen inside each command so ``--help`` is instant.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -56,6 +57,33 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None):
             return load(model_name, device=device, dtype=dtype, chat=chat)
     except (LoadError, UnsupportedArchitectureError) as e:
         fail(str(e))
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The running subcommand as a shell command rebuilt from its parsed parameters.
+
+    Rebuilt from click's context rather than ``sys.argv``, so it is right however the command was
+    invoked (console script, ``python -m``, tests); options left at their defaults are omitted.
+    """
+    parts = ["skipdecode", ctx.info_name or ""]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or value in ([], ()):
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if param.param_type_name == "argument":
+            parts += [str(v) for v in values]
+            continue
+        opt = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            if value:
+                parts.append(opt)
+            elif param.secondary_opts:
+                parts.append(max(param.secondary_opts, key=len))
+            continue
+        for v in values:
+            parts += [opt, str(v)]
+    return shlex.join(parts)
 
 
 MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
@@ -150,6 +178,7 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_H
 
 @app.command("eval")
 def eval_command(
+    ctx: typer.Context,
     models: List[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " Repeatable; 'stock' = the embedded default."),
     data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
@@ -213,7 +242,7 @@ def eval_command(
             label, k = f"{base}#{k}", k + 1
         entries[label] = loader(spec)
     specs = [*speedups, *policies] or None
-    command = shlex.join(["skipdecode", *sys.argv[1:]])
+    command = command_line(ctx)
     try:
         report = evaluate(
             entries, items, specs, batch_size=batch_size, max_new_tokens=max_new_tokens,
