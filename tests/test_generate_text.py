@@ -13,6 +13,7 @@ import torch
 from conftest import make_chain_model, make_model
 from skipdecode import FullPolicy, LinearDecayPolicy, SkipModel, generate_step, get_adapter
 from skipdecode.generate import encode_prompts, generate
+from skipdecode.sampling import SamplingParams
 
 gen_mod = importlib.import_module("skipdecode.generate")  # the package re-exports `generate`
 
@@ -340,3 +341,15 @@ def test_batched_text_equals_single(sk):
         assert alone.token_ids[0] == batched.token_ids[i]
         assert alone.texts[0] == batched.texts[i]
         assert alone.finish_reasons[0] == batched.finish_reasons[i]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=0)])
+def test_nan_logits_never_reach_a_token(params):
+    """PITFALLS 5: a NaN anywhere in a row's logits raises instead of yielding a token."""
+    from skipdecode.sampling import Sampler
+
+    logits = torch.randn(3, 50)
+    assert Sampler(params)(logits.clone()).shape == (3,)
+    logits[1, 7] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        Sampler(params)(logits)

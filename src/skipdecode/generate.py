@@ -156,7 +156,8 @@ def generate_step(
         if bool(finished.all()):
             return
         tokens = next_tokens[:, None]
-        all_ids = torch.cat([all_ids, tokens], dim=1)
+        if not sampler.params.greedy:  # only the logits warpers read the history
+            all_ids = torch.cat([all_ids, tokens], dim=1)
 
 
 @dataclass
