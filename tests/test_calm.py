@@ -16,14 +16,6 @@ PROMPT = "name[The Eagle], eatType[coffee shop]"
 N_NEW = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is much faster than two on a shared, loaded CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def models(tokenizer):

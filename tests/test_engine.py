@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import FAMILIES, VOCAB, make_config, make_model
+from conftest import VOCAB, make_config, make_model
 from skipdecode import (
     FullPolicy,
     LinearDecayPolicy,
@@ -40,14 +40,6 @@ SKIP_W0 = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=1, w
 N_NEW = 8
 PROMPT_LENS = [7, 3, 5, 1]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead, and much more on a busy shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @lru_cache(maxsize=None)

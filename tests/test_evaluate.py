@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from conftest import make_model
@@ -29,14 +28,6 @@ RECORDS = [
     {"prompt": "Summarize the article.", "references": ["The fox jumps.", "A dog sleeps.", "River bank."]},
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is much faster than two on a shared, loaded CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

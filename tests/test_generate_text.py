@@ -25,14 +25,6 @@ TARGET = "The Eagle is a coffee shop"
 CHAIN_PROMPT = "Describe the restaurant:"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead, and much more on a busy shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def sk(tokenizer):

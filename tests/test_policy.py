@@ -4,7 +4,6 @@ recomputed independently, target-speedup presets, serialisation and argument val
 from __future__ import annotations
 
 import json
-import math
 from decimal import ROUND_HALF_UP, Decimal
 
 import pytest

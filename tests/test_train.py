@@ -30,15 +30,6 @@ from skipdecode.train import (
     train,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU the thread pool's
-    spinning makes them 10-20x slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 MRS = [
     "name[The Eagle], eatType[coffee shop], food[French]",

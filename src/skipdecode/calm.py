@@ -35,7 +35,7 @@ import torch
 
 from .cache import SkipCache
 from .forward import build_attention_mask, positions_from_mask, skip_forward
-from .generate import GenerationResult, encode_prompts
+from .generate import GenerationResult, _eos_ids, encode_prompts
 
 __all__ = ["CalmConfig", "CalmResult", "calm_generate", "calm_generate_ids"]
 
@@ -253,17 +253,6 @@ def calm_generate_ids(
         compute_layers=compute_layers,
         head_evals=head_evals,
     )
-
-
-def _eos_ids(tokenizer, model) -> list[int]:
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(x) for x in source)
-    return sorted(ids)
 
 
 def calm_generate(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -201,8 +200,6 @@ def eval_command(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
-    import shlex
-
     from .data import DataError, default_data_dir, load_eval_items
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
