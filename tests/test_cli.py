@@ -178,6 +178,10 @@ def test_stop_and_sampling_flags(runner, chain_dir):
         (["--max-new-tokens", "0"], "max-new-tokens"),
         (["--max-new-tokens", "1000"], "max_new_tokens"),  # longer than the 256-position context
         (["--dtype", "float8"], "dtype"),
+        (["--horizon", "4"], "horizon"),  # a full-depth model: a horizon alone would be ignored
+        (["--warmup-layers", "2"], "warmup_layers"),
+        (["--device", "foo"], "--device"),
+        (["--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["--device", "foo"], "--device"),
     ],
 )
 def test_bad_values_exit_2_naming_the_option(runner, random_dir, extra, option):
@@ -238,3 +242,11 @@ def test_top_level_help_lists_generate(runner):
     res = invoke(runner, ["--help"])
     assert res.exit_code == 0
     assert "generate" in res.output and "info" in res.output
+
+
+def test_speedup_combines_with_warmup_layers(runner, random_dir):
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(random_dir), "-n", "3", "--json",
+                          "--speedup", "2", "--warmup-layers", "2", "--horizon", "4"])
+    assert res.exit_code == 0, res.output
+    policy = json.loads(res.stdout.strip().splitlines()[-1])["stats"]["policy"]
+    assert policy["warmup_layers"] == 2 and policy["horizon"] == 4 and policy["type"] == "linear_decay"

@@ -56,8 +56,24 @@ def test_chat_stream_concatenates_to_non_stream(client):
     with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    pieces = [json.loads(ln[6:])["choices"][0]["delta"]["content"] for ln in lines[:-1]]
-    assert "".join(pieces) == text
+    choices = [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
+    assert choices[0]["delta"] == {"role": "assistant"}  # OpenAI: the role comes first
+    assert "".join(c["delta"].get("content", "") for c in choices) == text
+    assert [c["finish_reason"] for c in choices][-1] == full["choices"][0]["finish_reason"]
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+
+
+def test_completion_stream_ends_each_row_with_its_finish_reason(client, sk):
+    prompts = ["The Eagle is", "Describe the restaurant"]
+    body = {"prompt": prompts, "max_tokens": 5, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    expected = sk.generate(prompts, max_new_tokens=5)
+    for row in range(2):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == row]
+        assert "".join(c["text"] for c in mine) == expected.texts[row]
+        want = "length" if expected.finish_reasons[row] == "length" else "stop"
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [want]
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -45,8 +45,19 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
 
 def load_model(model_name, device="cpu", dtype="float32", chat=None):
     """Load ``model_name`` (None: embedded default), turning load errors into clean exits."""
+    import torch
+
     from .adapters import UnsupportedArchitectureError
     from .loading import LoadError, load
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        fail(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: this torch build or machine has no CUDA GPU; use --device cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        fail("--device mps: MPS is not available here; use --device cpu")
 
     from transformers.utils import logging as hf_logging
 
@@ -130,21 +141,32 @@ def generate(
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
 
+    status = None if (single or as_json) else err.status(f"generating a batch of {len(all_prompts)} ...")
+
     def show(chunk) -> None:
+        """One prompt: stream its text. A batch: a live status line (rows printed at the end)."""
         if as_json:
             return
-        for row, delta in enumerate(chunk.deltas):
-            if delta:
-                prefix = "" if single else f"[{row}] "
-                out.print(f"{prefix}{delta}", end="" if single else "\n", highlight=False, markup=False)
+        if single:
+            if chunk.deltas[0]:
+                out.print(chunk.deltas[0], end="", highlight=False, markup=False)
+        else:
+            done = sum(chunk.finished)
+            status.update(f"step {chunk.step + 1}: {len(chunk.active_layers)}/{sk.num_layers} layers, "
+                          f"{done}/{len(chunk.finished)} rows finished")
 
     try:
+        if status is not None:
+            status.start()
         result = run_generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
         )
     except ValueError as e:
         fail(str(e))
+    finally:
+        if status is not None:
+            status.stop()
     if as_json:
         print(json.dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
                           "token_ids": result.token_ids, "stats": result.stats()}))

@@ -162,13 +162,15 @@ def load(
                 hf_model, tokenizer = _from_pretrained(str(path), torch_dtype)
             else:
                 raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
+        elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
+            raise LoadError(f"model path {model} does not exist")
         else:
             try:
                 hf_model, tokenizer = _from_pretrained(str(model), torch_dtype)
             except OSError as err:
                 raise LoadError(
                     f"could not load {model!r}: not a local path, and the Hugging Face hub could not "
-                    f"provide it ({str(err).splitlines()[0]})"
+                    f"provide it ({str(err).splitlines()[0]}); offline, set HF_HUB_OFFLINE=1 to fail fast"
                 ) from None
         source = str(model)
     hf_model = hf_model.to(device).eval()

@@ -85,8 +85,8 @@ class SkipModel:
         """
         from .policy import LinearDecayPolicy
 
-        if speedup is not None and any(v is not None for v in fields.values()):
-            raise ValueError("give either speedup or max_layers/min_layers/warmup_layers, not both")
+        if speedup is not None and (fields.get("max_layers") is not None or fields.get("min_layers") is not None):
+            raise ValueError("give either speedup or max_layers/min_layers, not both")
         horizon_given = horizon is not None
         if horizon_given and (isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1):
             raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
@@ -105,7 +105,16 @@ class SkipModel:
             params.update(given)
             if "min_layers" not in given and params["min_layers"] > params["max_layers"]:
                 params["min_layers"] = params["max_layers"]  # --max-layers alone: a constant budget
+            if base is None and "max_layers" not in given and "min_layers" not in given:
+                raise ValueError(
+                    "warmup_layers alone gives no skipping on a full-depth model: add speedup or "
+                    "max_layers/min_layers"
+                )
             return LinearDecayPolicy(num_layers=self.num_layers, horizon=horizon, **params)
+        if horizon_given:
+            raise ValueError(
+                "horizon alone gives no skipping on a full-depth model: add speedup or max_layers/min_layers"
+            )
         return self.policy
 
     def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:

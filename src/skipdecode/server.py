@@ -138,20 +138,32 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                 prompts, max_new_tokens=req.max_tokens, policy=policy, temperature=sampling.temperature,
                 top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, stop=_stops(req.stop), chat=False,
             )
+            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+            def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+                if kind == "chat":
+                    delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+                    choice = {"index": i, "delta": delta, "finish_reason": finish}
+                else:
+                    choice = {"index": i, "text": text or "", "finish_reason": finish}
+                body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+                return "data: " + json.dumps(body) + "\n\n"
+
+            if kind == "chat":
+                for i in range(len(prompts)):
+                    yield event(i, role=True)
+            ended: set[int] = set()
             try:
                 for chunk in chunks:
                     for i, delta in enumerate(chunk.deltas):
-                        if not delta:
-                            continue
-                        if kind == "chat":
-                            choice = {"index": i, "delta": {"content": delta}, "finish_reason": None}
-                            obj = "chat.completion.chunk"
-                        else:
-                            choice = {"index": i, "text": delta, "finish_reason": None}
-                            obj = "text_completion"
-                        yield "data: " + json.dumps(
-                            {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-                        ) + "\n\n"
+                        if delta:
+                            yield event(i, delta)
+                        if chunk.finished[i] and i not in ended:  # EOS or a stop string
+                            ended.add(i)
+                            yield event(i, finish="stop")
+                for i in range(len(prompts)):
+                    if i not in ended:
+                        yield event(i, finish="length")
             except ValueError as e:
                 yield "data: " + json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}}) + "\n\n"
         yield "data: [DONE]\n\n"
