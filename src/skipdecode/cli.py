@@ -141,23 +141,35 @@ def generate(
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
 
-    status = None if (single or as_json) else err.status(f"generating a batch of {len(all_prompts)} ...")
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    rows = [""] * len(all_prompts)
+
+    def render(step: int = 0, layers: int = 0) -> Group:
+        head = Text(f"step {step}: {layers}/{sk.num_layers} layers", style="dim")
+        return Group(head, *(Text(f"[{i}] {t}") for i, t in enumerate(rows)))
+
+    # A batch streams into a live view (one line per row, redrawn as tokens arrive); the view
+    # is replaced by the final texts and finish reasons when generation ends.
+    live = None if (single or as_json) else Live(render(), console=out, refresh_per_second=8, transient=True)
 
     def show(chunk) -> None:
-        """One prompt: stream its text. A batch: a live status line (rows printed at the end)."""
+        """One prompt: print its deltas. A batch: update the live view."""
         if as_json:
             return
         if single:
             if chunk.deltas[0]:
                 out.print(chunk.deltas[0], end="", highlight=False, markup=False)
-        else:
-            done = sum(chunk.finished)
-            status.update(f"step {chunk.step + 1}: {len(chunk.active_layers)}/{sk.num_layers} layers, "
-                          f"{done}/{len(chunk.finished)} rows finished")
+            return
+        for i, delta in enumerate(chunk.deltas):
+            rows[i] += delta.replace("\n", " ")
+        live.update(render(chunk.step + 1, len(chunk.active_layers)))
 
     try:
-        if status is not None:
-            status.start()
+        if live is not None:
+            live.start()
         result = run_generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
@@ -165,8 +177,8 @@ def generate(
     except ValueError as e:
         fail(str(e))
     finally:
-        if status is not None:
-            status.stop()
+        if live is not None:
+            live.stop()
     if as_json:
         print(json.dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
                           "token_ids": result.token_ids, "stats": result.stats()}))
@@ -175,7 +187,7 @@ def generate(
     if not single:
         out.rule("results")
         for i, text in enumerate(result.texts):
-            out.print(f"[bold][{i}][/] ({result.finish_reasons[i]}) {text}", highlight=False)
+            out.print(Text.assemble((f"[{i}] ", "bold"), f"({result.finish_reasons[i]}) {text}"), highlight=False)
     s = result.stats()
     err.print(
         f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok | new {s['new_tokens']} tok | "
