@@ -61,6 +61,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     p.add_argument("--name", default=None, help="output base name (default: eval_e2e / eval_cnndm)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--sort-by-length", action="store_true",
+                   help="batch prompts of similar length together (less padding; outputs stay in item order)")
     return p.parse_args(argv)
 
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             models, items, policies, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             task=args.task, calm_thresholds=args.calm_threshold, calm_min_layers=args.calm_min_layers,
             calm_models=[calm_model] if args.calm_threshold else None, progress=not args.no_progress,
-            command=command, data=str(data),
+            command=command, data=str(data), sort_by_length=args.sort_by_length,
         )
     except (DataError, ValueError) as e:
         _die(str(e))

@@ -95,6 +95,24 @@ def test_evaluate_end_to_end_report(sk, items_file, monkeypatch):
     assert skip.decode_speedup == pytest.approx(full.step_seconds / skip.step_seconds)
 
 
+def test_sort_by_length_batches_by_length_and_keeps_item_order(sk, items_file, monkeypatch):
+    items = list(load_eval_items(items_file))
+    one = {it.prompt: evaluate(sk, [it], [2.0], batch_size=1, max_new_tokens=6, stop=(), warmup=False)
+           for it in items}  # each item alone: no padding, no batch effects
+    rec = Recorder(sk, monkeypatch)
+    report = evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=6, stop=(), warmup=False, sort_by_length=True)
+    assert report.meta["sort_by_length"] is True
+    by_len = sorted((it.prompt for it in items), key=len, reverse=True)
+    for row in report.rows:
+        batches = [c[0] for c in rec.timed(row.policy_config, 6)]
+        assert batches == [by_len[0:2], by_len[2:4], by_len[4:5]]  # longest first
+        expected = [next(r for r in one[it.prompt].rows if r.policy == row.policy).generations[0] for it in items]
+        assert row.generations == expected  # back in item (file) order, not batch order
+        assert len(row.finish_reasons) == len(items)
+    # the file order is not the length order, so an unsorted report's batches differ
+    assert by_len != [it.prompt for it in items]
+
+
 def test_report_files_json_markdown_png(sk, items_file, tmp_path):
     items = load_eval_items(items_file)
     report = evaluate(sk, items, ["full", 2], batch_size=3, max_new_tokens=5, stop=(), warmup=False,

@@ -232,6 +232,7 @@ def eval_command(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted) instead of failing."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
+    sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .data import DataError, default_data_dir, load_eval_items
@@ -279,7 +280,7 @@ def eval_command(
             entries, items, specs, batch_size=batch_size, max_new_tokens=max_new_tokens,
             stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in stop] or None, task=eval_task, metrics=metrics or None, horizon=horizon,
             calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
-            progress=progress, command=command, data=str(data),
+            progress=progress, command=command, data=str(data), sort_by_length=sort_by_length,
         )
     except (DataError, ValueError) as e:
         fail(str(e))

@@ -520,6 +520,14 @@ def _device_of(model) -> str:
     return str(dev)
 
 
+def _unpermute(values: list, order: list[int]) -> list:
+    """Return ``values`` (``values[k]`` belongs to item ``order[k]``) in item order."""
+    out: list = [None] * len(order)
+    for k, i in enumerate(order):
+        out[i] = values[k]
+    return out
+
+
 def evaluate(
     models: Any,
     items: Sequence[EvalItem],
@@ -539,6 +547,7 @@ def evaluate(
     progress: bool | Callable[[int], None] = False,
     command: str | None = None,
     data: str | None = None,
+    sort_by_length: bool = False,
 ) -> Report:
     """Generate for ``items`` with every model under every policy, then score and time each row.
 
@@ -568,6 +577,9 @@ def evaluate(
             of batches done after each batch.
         command: command line recorded in ``meta`` (None: ``sys.argv``).
         data: data description recorded in ``meta`` (e.g. the file path).
+        sort_by_length: form batches from items sorted by prompt length (characters, longest
+            first) so that a batch pads less (left padding to its longest prompt); generations are
+            put back in item order. Off by default: batches follow the file order.
 
     Returns:
         :class:`Report`; its rows' ``wallclock_speedup``/``decode_speedup`` are relative to each
@@ -616,7 +628,10 @@ def evaluate(
         extra = [k for k in calm_models if k not in labels]
         if extra:
             raise ValueError(f"calm_models names unknown model(s) {extra}; models: {labels}")
-    batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    order = list(range(len(items)))
+    if sort_by_length:
+        order.sort(key=lambda i: -len(items[i].prompt))  # stable: ties keep file order
+    batches = [[items[j] for j in order[i : i + batch_size]] for i in range(0, len(items), batch_size)]
 
     bar = None
     if progress is True:
@@ -675,6 +690,9 @@ def evaluate(
                 elif callable(progress):
                     progress(done)
             _finish_rows(model_rows)
+            for row in model_rows:  # batches ran in `order`: put outputs back in item order
+                row.generations = _unpermute(row.generations, order)
+                row.finish_reasons = _unpermute(row.finish_reasons, order)
             rows.extend(model_rows)
             if entry is not model:  # loaded here: release it before the next checkpoint
                 del model
@@ -697,6 +715,7 @@ def evaluate(
         "quality_metric": quality,
         "n_items": len(items),
         "batch_size": batch_size,
+        "sort_by_length": bool(sort_by_length),
         "max_new_tokens": max_new_tokens,
         "stop": list(stop),
         "models": model_info,
