@@ -170,7 +170,11 @@ def test_cli_bench_last_line_is_json(tiny, tmp_path):
         (1, "full"), (1, "2x"), (1, "hf-generate"), (2, "full"), (2, "2x"), (2, "hf-generate"),
     ]
     assert [(r["batch_size"], r["policy"]) for r in last["profile"]["rows"]] == [(1, "full"), (1, "2x")]
-    assert json.loads(out.read_text())["rows"] == last["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == last["rows"]
+    # the exact command is recorded, so the run can be repeated; defaults are left out
+    assert saved["meta"]["command"].startswith(f"skipdecode bench --model {ckpt} --batch-sizes 1,2 --speedups 2")
+    assert "--repeats 1" in saved["meta"]["command"] and "--horizon" not in saved["meta"]["command"]
     assert out.with_suffix(".png").exists()
 
 

@@ -386,6 +386,7 @@ def train(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes."),
     speedups: str = typer.Option("2,3,5", "--speedups", help="Comma-separated target speedups (full depth is always run)."),
@@ -457,6 +458,7 @@ def bench(
             )
     except ValueError as e:
         fail(str(e))
+    result["meta"]["command"] = command_line(ctx)
     path = B.write_results(result, output)
     if plot:
         B.write_plot(result, path.with_suffix(".png"))
