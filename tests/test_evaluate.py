@@ -6,6 +6,7 @@ Offline and independent of the shared data folder: items are written to tmp_path
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 from conftest import make_model
 from skipdecode.cli import app
 from skipdecode.data import DataError, EvalItem, load_eval_items
-from skipdecode.evaluate import TASKS, Report, detect_task, evaluate, resolve_policy
+from skipdecode.evaluate import TASKS, Report, combine_reports, detect_task, evaluate, resolve_policy
 from skipdecode.metrics import score_all
 from skipdecode.model import SkipModel
 from skipdecode.policy import FullPolicy, LinearDecayPolicy
@@ -337,3 +338,41 @@ def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
     with pytest.raises(SystemExit) as exc:
         script.main(["--ckpt", str(tmp_path / "nope"), "--data", str(csv)])
     assert exc.value.code == 2
+
+
+def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
+    import importlib.util
+
+    items = load_eval_items(items_file)[:3]
+    main = evaluate(sk, items, [2.0], batch_size=3, max_new_tokens=4, stop=(), warmup=False)
+    calm = evaluate(sk, items, [], batch_size=1, max_new_tokens=4, stop=(), warmup=False,
+                    calm_thresholds=[0.0], calm_min_layers=2)
+    main.save(tmp_path, "main")
+    calm.save(tmp_path, "calm")
+    loaded = Report.load(tmp_path / "main.json")
+    assert loaded.to_markdown() == main.to_markdown()
+    assert [r.to_dict() for r in loaded.rows] == [r.to_dict() for r in main.rows]
+
+    both = combine_reports([loaded, Report.load(tmp_path / "calm.json")])
+    # the batch-1 run's full-depth row clashes with the batched one: renamed, and CALM's link follows
+    assert [(r.policy, r.batch_size, r.reference_policy) for r in both.rows] == [
+        ("full", 3, "full"), ("2x", 3, "full"), ("full@bs1", 1, "full@bs1"), ("calm@0", 1, "full@bs1")]
+    assert both.row("tiny-llama", "calm@0").theoretical_speedup == pytest.approx(L / 2)
+    md = both.to_markdown()
+    assert main.meta["command"] in md and calm.meta["command"] in md
+
+    # the script writes the three files; mismatched items and non-reports are clean errors
+    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "benchmarks" / "plot_eval.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path / "main.json"), str(tmp_path / "calm.json"), "--out", str(tmp_path / "o"),
+                     "--name", "all"]) == 0
+    assert (tmp_path / "o" / "all.png").read_bytes()[:8] == PNG_MAGIC
+    assert len(json.loads((tmp_path / "o" / "all.json").read_text())["rows"]) == 4
+    other = evaluate(sk, items[:2], [], batch_size=2, max_new_tokens=4, stop=(), warmup=False)
+    with pytest.raises(ValueError, match="n_items"):
+        combine_reports([main, other])
+    (tmp_path / "bad.json").write_text('{"rows": [{"model": "x", "speed": 1}], "meta": {}}')
+    with pytest.raises(ValueError, match=r"bad.json: rows\[0\] has unknown field\(s\) \['speed'\]"):
+        Report.load(tmp_path / "bad.json")
+    assert mod.main([str(tmp_path / "missing.json")]) == 2

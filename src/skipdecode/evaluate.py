@@ -46,7 +46,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -358,6 +358,46 @@ class Report:
         """JSON-serialisable dict: ``meta``, ``rows`` (with generations) and ``items``."""
         return {"meta": _clean(self.meta), "rows": [r.to_dict() for r in self.rows], "items": self.items}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Report":
+        """Rebuild a report from :meth:`to_dict` output (a saved ``NAME.json``).
+
+        Raises:
+            ValueError: ``data`` lacks ``rows``/``meta`` or a row has unknown or missing fields.
+        """
+        if not isinstance(data, Mapping) or not isinstance(data.get("rows"), list) or "meta" not in data:
+            raise ValueError("not an evaluation report: expected a JSON object with 'meta' and 'rows'")
+        names = {f.name for f in fields(EvalRow)}
+        rows = []
+        for i, raw in enumerate(data["rows"]):
+            unknown = sorted(set(raw) - names) if isinstance(raw, Mapping) else ["<not an object>"]
+            if unknown:
+                raise ValueError(f"rows[{i}] has unknown field(s) {unknown}; known: {sorted(names)}")
+            try:
+                row = EvalRow(**{k: (float("nan") if v is None else v) for k, v in raw.items()})
+            except TypeError as e:
+                raise ValueError(f"rows[{i}]: {e}") from None
+            rows.append(row)
+        return cls(rows=rows, items=list(data.get("items", [])), meta=dict(data["meta"]))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Report":
+        """Read a report saved by :meth:`save` (``NAME.json``).
+
+        Raises:
+            ValueError: the file is missing, not JSON, or not a report (the message names the path).
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ValueError(f"cannot read report {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"report {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"report {path}: {e}") from None
+
     def to_markdown(self) -> str:
         """A Markdown table (one line per row) with a short header and notes."""
         metrics = list(self.meta.get("metrics", []))
@@ -367,7 +407,8 @@ class Report:
         lines = [
             f"# Evaluation: {self.meta.get('data', '?')} ({self.meta.get('n_items', '?')} items, task {self.meta.get('task', '?')})",
             "",
-            f"`{self.meta.get('command', '')}` on {self.meta.get('device', '?')}, {self.meta.get('date', '')}; "
+            " + ".join(f"`{c.get('command', '')}`" for c in self.meta.get("combined", [self.meta]))
+            + f" on {self.meta.get('device', '?')}, {self.meta.get('date', '')}; "
             + ", ".join(f"{k} {v}" for k, v in self.meta.get("versions", {}).items()),
             "",
             "| " + " | ".join(head) + " |",
@@ -474,6 +515,47 @@ class Report:
         paths["md"].write_text(self.to_markdown(), encoding="utf-8")
         self.plot(paths["png"])
         return paths
+
+
+def combine_reports(reports: Sequence[Report]) -> Report:
+    """Join the rows of several reports on the same items into one (one table, one plot).
+
+    Used to show batch-1 CALM rows beside the batched SkipDecode rows of a separate run. A row of a
+    later report whose (model, policy) already exists is renamed ``policy@bsN`` (N its batch size),
+    as :func:`evaluate` names a second reference row, and its report's ``reference_policy`` links
+    follow. ``meta`` is the first report's, with ``meta['combined']`` listing every report's
+    command, date and ``n_items``.
+
+    Raises:
+        ValueError: no reports, reports on different data or numbers of items (names both), or a
+            row name that stays ambiguous after renaming.
+    """
+    if not reports:
+        raise ValueError("combine_reports needs at least one report")
+    first = reports[0]
+    rows = [replace(r) for r in first.rows]
+    taken = {(r.model, r.policy) for r in rows}
+    for k, rep in enumerate(reports[1:], start=1):
+        for key in ("n_items", "data", "task"):
+            if rep.meta.get(key) != first.meta.get(key):
+                raise ValueError(f"reports[{k}] has {key}={rep.meta.get(key)!r} but reports[0] has "
+                                 f"{first.meta.get(key)!r}: only reports on the same items can be combined")
+        renamed = {}
+        for r in rep.rows:
+            if (r.model, r.policy) in taken:
+                new = f"{r.policy}@bs{r.batch_size}"
+                if (r.model, new) in taken:
+                    raise ValueError(f"row ({r.model!r}, {r.policy!r}) of reports[{k}] clashes with an existing row")
+                renamed[(r.model, r.policy)] = new
+        for r in rep.rows:
+            r2 = replace(r, policy=renamed.get((r.model, r.policy), r.policy),
+                         reference_policy=renamed.get((r.model, r.reference_policy), r.reference_policy))
+            rows.append(r2)
+            taken.add((r2.model, r2.policy))
+    meta = dict(first.meta)
+    meta["combined"] = [{"command": r.meta.get("command"), "date": r.meta.get("date"),
+                         "n_items": r.meta.get("n_items")} for r in reports]
+    return Report(rows=rows, items=list(first.items), meta=meta)
 
 
 ModelLike = Any  # SkipModel or a zero-argument callable returning one

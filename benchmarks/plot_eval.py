@@ -1,0 +1,44 @@
+"""Join saved evaluation reports on the same items into one table and one plot.
+
+The README's E2E figure shows the batched SkipDecode rows (``eval_e2e.json``) and the batch-1
+CALM-style baseline (``eval_e2e_calm.json``, a separate run because CALM cannot batch) together:
+
+    python benchmarks/plot_eval.py benchmarks/results/eval_e2e.json \\
+        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all
+
+Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``--out`` (default: benchmarks/results)
+and prints the Markdown table. Exit status 2 with a one-line message on a bad or mismatched file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Combine the reports named on the command line; returns 0 (exits 2 on bad input)."""
+    p = argparse.ArgumentParser(prog="plot_eval.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("reports", nargs="+", type=Path, help="report JSON files written by eval / eval_e2e.py")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
+    p.add_argument("--name", default="eval_combined", help="output base name")
+    args = p.parse_args(argv)
+
+    from skipdecode.evaluate import Report, combine_reports
+
+    try:
+        report = combine_reports([Report.load(path) for path in args.reports])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = report.save(args.out, args.name)
+    print(report.to_markdown())
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
