@@ -4,7 +4,7 @@ The README's E2E figure shows the batched SkipDecode rows (``eval_e2e.json``) an
 CALM-style baseline (``eval_e2e_calm.json``, a separate run because CALM cannot batch) together:
 
     python benchmarks/plot_eval.py benchmarks/results/eval_e2e.json \\
-        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all
+        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all --rescore
 
 Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``--out`` (default: benchmarks/results)
 and prints the Markdown table. Exit status 2 with a one-line message on a bad or mismatched file.
@@ -25,12 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", type=Path, help="report JSON files written by eval / eval_e2e.py")
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     p.add_argument("--name", default="eval_combined", help="output base name")
+    p.add_argument("--rescore", action="store_true",
+                   help="recompute scores from the stored generations with the task's current metric set "
+                        "(e.g. NIST for reports written before it was added)")
     args = p.parse_args(argv)
 
     from skipdecode.evaluate import Report, combine_reports
 
     try:
-        report = combine_reports([Report.load(path) for path in args.reports])
+        reports = [Report.load(path) for path in args.reports]
+        if args.rescore:
+            reports = [r.rescore() for r in reports]
+        report = combine_reports(reports)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

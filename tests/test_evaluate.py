@@ -135,7 +135,7 @@ def test_report_files_json_markdown_png(sk, items_file, tmp_path):
                     "tokens_per_second", "wallclock_speedup", "batch_size", "generations", "reference"):
             assert key in row, key
         assert len(row["generations"]) == 5
-        assert set(row["scores"]) == {"bleu", "chrf", "rouge1", "rouge2", "rougeL"}
+        assert set(row["scores"]) == {"bleu", "chrf", "nist", "rouge1", "rouge2", "rougeL"}
     md = paths["md"].read_text()
     table = [line for line in md.splitlines() if line.startswith("| tiny-llama")]
     assert len(table) == 2 and "BLEU" in md and "ROUGE-L" in md and "chrF" in md
@@ -327,7 +327,7 @@ def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
     assert rc == 0
     data = json.loads((tmp_path / "res" / "eval_e2e.json").read_text())
     assert data["meta"]["n_items"] == 3 and data["meta"]["task"] == "e2e"
-    assert data["meta"]["metrics"] == ["bleu", "chrf", "rougeL"] and data["meta"]["stop"] == ["\n"]
+    assert data["meta"]["metrics"] == ["bleu", "chrf", "nist", "rougeL"] and data["meta"]["stop"] == ["\n"]
     rows = [(r["model"], r["policy"], r["policy_config"]) for r in data["rows"]]
     # stock: full + the 2x checkpoint's very schedule; 2x: full (sanity row) + its own schedule + CALM
     assert rows[0][:2] == ("stock", "full") and rows[1][:2] == ("stock", "2x (= ckpt 2x)")
@@ -376,3 +376,19 @@ def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
     with pytest.raises(ValueError, match=r"bad.json: rows\[0\] has unknown field\(s\) \['speed'\]"):
         Report.load(tmp_path / "bad.json")
     assert mod.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_rescore_recomputes_scores_from_stored_generations(sk, items_file):
+    items = load_eval_items(items_file)[:4]
+    report = evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=6, stop=(), warmup=False, metrics=["bleu"])
+    before = [dict(r.scores) for r in report.rows]
+    assert all(set(s) == {"bleu"} for s in before)
+    report.rescore(["bleu", "nist", "rougeL"])
+    refs = [list(it.references) for it in items]
+    for row, old in zip(report.rows, before):
+        assert row.scores == pytest.approx(score_all(row.generations, refs, ["bleu", "nist", "rougeL"]))
+        assert row.scores["bleu"] == pytest.approx(old["bleu"])
+    assert report.meta["metrics"] == ["bleu", "nist", "rougeL"] and report.meta["rescored"]["metrics"]
+    report.rows[0].generations.pop()
+    with pytest.raises(ValueError, match="3 generations for 4 items"):
+        report.rescore()

@@ -6,7 +6,7 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from skipdecode.metrics import METRICS, corpus_bleu, corpus_chrf, rouge, score_all
+from skipdecode.metrics import METRICS, corpus_bleu, corpus_chrf, corpus_nist, rouge, score_all
 
 SENTS = [
     "the cat sat on the mat near the door",
@@ -84,10 +84,36 @@ def test_score_all_selects_metrics():
     assert list(out) == ["bleu", "chrf", "rougeL"]
     out = score_all(SENTS, refs, metrics=METRICS)
     assert set(out) == set(METRICS)
-    assert all(v == pytest.approx(100.0) for v in out.values())
+    assert all(v == pytest.approx(100.0) for k, v in out.items() if k != "nist")  # NIST is not 0-100
+    assert out["nist"] == pytest.approx(corpus_nist(SENTS, refs))
 
 
-@pytest.mark.parametrize("fn", [corpus_bleu, corpus_chrf, rouge, score_all])
+def test_nist_matches_nltk_on_13a_tokens_with_several_references():
+    from nltk.translate.nist_score import corpus_nist as nltk_nist
+
+    hyps = ["The Eagle is a coffee shop near Burger King.", "Blue Spice serves cheap French food."]
+    refs = [["The Eagle is a coffee shop.", "Near Burger King, there is a coffee shop called The Eagle."],
+            ["Blue Spice is a cheap French restaurant."]]
+    # the library directly, on mteval-13a tokens ("shop." -> "shop", ".")
+    expected = nltk_nist(
+        [[r.replace(".", " .").replace(",", " ,").split() for r in rs] for rs in refs],
+        [h.replace(".", " .").split() for h in hyps], n=5)
+    assert corpus_nist(hyps, refs) == pytest.approx(expected)
+    assert corpus_nist(hyps, refs) > corpus_nist(hyps, [rs[:1] for rs in refs[:1]] + [refs[1]]) > 0
+    assert corpus_nist(["one two three four five six"], [["seven eight nine ten eleven"]]) == 0.0
+    perfect = corpus_nist([refs[1][0]], [refs[1]])
+    assert perfect > corpus_nist(["Blue Spice is a French pub."], [refs[1]]) > 0
+
+
+def test_nist_short_and_empty_hypotheses_do_not_crash():
+    # nltk alone divides by zero when no hypothesis has 5 tokens; the order is lowered instead
+    assert corpus_nist(["a cat"], [["a cat sat"]]) > 0
+    assert corpus_nist(["", ""], [["a cat"], ["a dog"]]) == 0.0
+    with pytest.raises(ValueError, match="n must be"):
+        corpus_nist(["a"], [["a"]], n=0)
+
+
+@pytest.mark.parametrize("fn", [corpus_bleu, corpus_chrf, corpus_nist, rouge, score_all])
 def test_validation_errors_name_the_argument(fn):
     with pytest.raises(ValueError, match="hypotheses"):
         fn([], [["a"]])

@@ -222,7 +222,7 @@ def eval_command(
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per item (default: 64 for E2E/plain, 128 for CNN/DM)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable; default: newline for E2E, none otherwise; --stop '' for none)."),
-    metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, rouge1, rouge2, rougeL (default: by task)."),
+    metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, nist, rouge1, rouge2, rougeL (default: by task)."),
     calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold (repeatable)."),
     calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="Fewest layers a CALM token runs before it may exit."),
     out_dir: Path = typer.Option(Path("eval_results"), "--out", "-o", help="Folder for NAME.json, NAME.md and NAME.png."),

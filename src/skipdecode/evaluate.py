@@ -91,15 +91,16 @@ class TaskSpec:
     max_new_tokens: int
 
 
-#: Task defaults: E2E (one sentence: stop at a newline; BLEU, chrF, ROUGE-L), CNN/DailyMail
+#: Task defaults: E2E (one sentence: stop at a newline; BLEU, chrF, NIST, ROUGE-L), CNN/DailyMail
 #: (summaries: ROUGE-1/2/L) and plain ``{prompt, references}`` files (every metric).
 TASKS: dict[str, TaskSpec] = {
-    "e2e": TaskSpec("e2e", ("bleu", "chrf", "rougeL"), "bleu", ("\n",), 64),
+    "e2e": TaskSpec("e2e", ("bleu", "chrf", "nist", "rougeL"), "bleu", ("\n",), 64),
     "cnndm": TaskSpec("cnndm", ("rouge1", "rouge2", "rougeL"), "rougeL", (), 128),
-    "plain": TaskSpec("plain", ("bleu", "chrf", "rouge1", "rouge2", "rougeL"), "bleu", (), 64),
+    "plain": TaskSpec("plain", ("bleu", "chrf", "nist", "rouge1", "rouge2", "rougeL"), "bleu", (), 64),
 }
 
-_METRIC_LABELS = {"bleu": "BLEU", "rougeL": "ROUGE-L", "chrf": "chrF", "rouge1": "ROUGE-1", "rouge2": "ROUGE-2"}
+_METRIC_LABELS = {"bleu": "BLEU", "rougeL": "ROUGE-L", "chrf": "chrF", "nist": "NIST", "rouge1": "ROUGE-1",
+                  "rouge2": "ROUGE-2"}
 
 
 def detect_task(spec: str | os.PathLike) -> str:
@@ -380,6 +381,33 @@ class Report:
             rows.append(row)
         return cls(rows=rows, items=list(data.get("items", [])), meta=dict(data["meta"]))
 
+    def rescore(self, metrics: Sequence[str] | None = None) -> "Report":
+        """Recompute every row's scores from its stored generations and the items' references.
+
+        Generation is untouched (same texts, same timings); only the scores are recomputed, e.g.
+        to add a metric to a saved report. ``metrics`` defaults to the report task's metric set
+        (:data:`TASKS`). Sets ``meta['metrics']`` and records ``meta['rescored']`` (date,
+        metrics). Returns ``self``.
+
+        Raises:
+            ValueError: the report holds no items with references, a row's generations do not
+                match the items in number, or an unknown metric.
+        """
+        task = TASKS.get(self.meta.get("task", "plain"), TASKS["plain"])
+        metrics = list(task.metrics if metrics is None else metrics)
+        refs = [list(it.get("references") or []) for it in self.items]
+        if not refs or not all(refs):
+            raise ValueError("cannot rescore: the report's items carry no references")
+        for row in self.rows:
+            if len(row.generations) != len(refs):
+                raise ValueError(f"cannot rescore row ({row.model!r}, {row.policy!r}): "
+                                 f"{len(row.generations)} generations for {len(refs)} items")
+            row.scores = score_all(row.generations, refs, metrics)
+        self.meta["metrics"] = metrics
+        self.meta["rescored"] = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                                 "metrics": metrics}
+        return self
+
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Report":
         """Read a report saved by :meth:`save` (``NAME.json``).
@@ -401,7 +429,7 @@ class Report:
     def to_markdown(self) -> str:
         """A Markdown table (one line per row) with a short header and notes."""
         metrics = list(self.meta.get("metrics", []))
-        order = [m for m in ("bleu", "rougeL", "chrf", "rouge1", "rouge2") if m in metrics]
+        order = [m for m in ("bleu", "rougeL", "chrf", "nist", "rouge1", "rouge2") if m in metrics]
         head = (["model", "policy", "ref"] + [_METRIC_LABELS[m] for m in order]
                 + ["mean layers", "theor. speedup", "tok/s", "wall-clock speedup", "decode-step speedup", "batch"])
         lines = [

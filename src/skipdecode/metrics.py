@@ -3,11 +3,16 @@
 * BLEU and chrF: `sacrebleu <https://github.com/mjpost/sacrebleu>`_ (``sacrebleu.metrics.BLEU``
   / ``CHRF``, corpus level, default settings: BLEU with 13a tokenisation and exponential
   smoothing; chrF with character order 6, word order 0, beta 2).
+* NIST (the E2E challenge's second metric): ``nltk.translate.nist_score.corpus_nist`` (n = 5) over
+  sacrebleu's 13a tokenisation (the tokeniser of mteval-v13a, which the challenge used; case kept,
+  as for BLEU). NIST is information-weighted n-gram precision and is *not* on a 0-100 scale
+  (E2E systems score about 7-9). The challenge's METEOR (nltk needs the WordNet corpus, a download)
+  and CIDEr (pycocoevalcap, 100 MB with Java parts) are left out: neither works offline from PyPI.
 * ROUGE: Google's ``rouge-score`` (``rouge_scorer.RougeScorer`` with ``use_stemmer=True``).
   Note its default tokeniser lower-cases and keeps only ``[a-z0-9]`` tokens, so non-English
   text scores 0.
 
-All scores are on a 0-100 scale. ``references`` is one entry per hypothesis, each entry the
+All scores but NIST are on a 0-100 scale. ``references`` is one entry per hypothesis, each entry the
 sequence of reference strings for that item (counts may vary between items); a bare string is
 taken as a single reference.
 """
@@ -17,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["METRICS", "corpus_bleu", "corpus_chrf", "rouge", "score_all"]
+__all__ = ["METRICS", "corpus_bleu", "corpus_chrf", "corpus_nist", "rouge", "score_all"]
 
 #: Metric names understood by :func:`score_all`.
-METRICS: tuple[str, ...] = ("bleu", "chrf", "rouge1", "rouge2", "rougeL")
+METRICS: tuple[str, ...] = ("bleu", "chrf", "nist", "rouge1", "rouge2", "rougeL")
 
 _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -104,6 +109,34 @@ def corpus_chrf(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
     return float(CHRF(**chrf_kwargs).corpus_score(hyps, _reference_streams(refs)).score)
 
 
+def corpus_nist(hypotheses: Sequence[str], references: Sequence[Sequence[str]], n: int = 5) -> float:
+    """Corpus NIST score (Doddington 2002), multi-reference, computed by nltk.
+
+    Text is tokenised by sacrebleu's ``Tokenizer13a`` (mteval-v13a's rules), then scored by
+    ``nltk.translate.nist_score.corpus_nist(references, hypotheses, n)``. nltk divides by zero when
+    no hypothesis has ``n`` tokens; then the order is lowered to the longest hypothesis' length
+    (0.0 when every hypothesis is empty), so a degenerate system scores instead of crashing.
+
+    Returns:
+        NIST score (>= 0, not bounded by 100; E2E systems score about 7-9).
+    Raises:
+        ValueError: as :func:`corpus_bleu`, or ``n`` < 1.
+    """
+    from nltk.translate.nist_score import corpus_nist as nltk_corpus_nist
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    hyps, refs = _validate(hypotheses, references)
+    tok = Tokenizer13a()
+    hyp_tokens = [tok(h).split() for h in hyps]
+    ref_tokens = [[tok(x).split() for x in r] for r in refs]
+    order = min(n, max(len(h) for h in hyp_tokens))
+    if order == 0:
+        return 0.0
+    return float(nltk_corpus_nist(ref_tokens, hyp_tokens, n=order))
+
+
 def rouge(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dict[str, float]:
     """ROUGE-1/2/L F-measure (0-100), averaged over items.
 
@@ -130,9 +163,9 @@ def rouge(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> dic
 
 def score_all(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
               metrics: Sequence[str] = ("bleu", "chrf", "rougeL")) -> dict[str, float]:
-    """Several metrics at once, keyed by name, each on a 0-100 scale.
+    """Several metrics at once, keyed by name, each on a 0-100 scale except ``nist``.
 
-    ``metrics`` may hold any of :data:`METRICS` (``bleu``, ``chrf``, ``rouge1``, ``rouge2``,
+    ``metrics`` may hold any of :data:`METRICS` (``bleu``, ``chrf``, ``nist``, ``rouge1``, ``rouge2``,
     ``rougeL``); ROUGE is computed once for all ROUGE names. Libraries as in the individual
     functions.
 
@@ -156,6 +189,8 @@ def score_all(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
             out[m] = corpus_bleu(hypotheses, references)
         elif m == "chrf":
             out[m] = corpus_chrf(hypotheses, references)
+        elif m == "nist":
+            out[m] = corpus_nist(hypotheses, references)
         else:
             if rouge_scores is None:
                 rouge_scores = rouge(hypotheses, references)
