@@ -16,8 +16,9 @@ reads the 80 articles of ``cnn_dailymail/cnndm_specbench80.jsonl``) and prints t
     python benchmarks/eval_e2e.py --ckpt 1x=runs/e2e-1x/final --ckpt 2x=runs/e2e-2x/final \\
         --ckpt 3x=runs/e2e-3x/final --ckpt 5x=runs/e2e-5x/final --batch-size 16 --device cuda
     python benchmarks/eval_e2e.py --ckpt 2x=runs/e2e-2x/final --limit 16          # quick look
-    python benchmarks/eval_e2e.py --task cnndm --ckpt 1x=runs/cnn-1x/final --ckpt 2x=runs/cnn-2x/final \\
-        --calm-threshold 0.9
+    python benchmarks/eval_e2e.py --task cnndm --ckpt 2x=runs/e2e-2x/final --batch-size 16 --sort-by-length
+    python benchmarks/eval_e2e.py --ckpt 1x=runs/e2e-1x/final --no-stock --calm-threshold 0.9 \\
+        --batch-size 1 --name eval_e2e_calm   # the CALM-style baseline alone (batch 1)
 
 A checkpoint given without ``LABEL=`` is labelled by its folder name. All options: ``--help``.
 Exit status 2 with a one-line message on bad arguments, data or checkpoints.
