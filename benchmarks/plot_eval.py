@@ -4,7 +4,8 @@ The README's E2E figure shows the batched SkipDecode rows (``eval_e2e.json``) an
 CALM-style baseline (``eval_e2e_calm.json``, a separate run because CALM cannot batch) together:
 
     python benchmarks/plot_eval.py benchmarks/results/eval_e2e.json \\
-        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all --rescore
+        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all --rescore \\
+        --frontier 1x:full --frontier 2x:checkpoint --frontier 3x:checkpoint --frontier 5x:checkpoint
 
 Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``--out`` (default: benchmarks/results)
 and prints the Markdown table. Exit status 2 with a one-line message on a bad or mismatched file.
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", type=Path, help="report JSON files written by eval / eval_e2e.py")
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     p.add_argument("--name", default="eval_combined", help="output base name")
+    p.add_argument("--frontier", action="append", default=[], metavar="MODEL:POLICY",
+                   help="row joined into the plot's frontier line (repeatable, in order), e.g. 2x:checkpoint")
     p.add_argument("--rescore", action="store_true",
                    help="recompute scores from the stored generations with the task's current metric set "
                         "(e.g. NIST for reports written before it was added)")
@@ -40,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    paths = report.save(args.out, args.name)
+    frontier = []
+    for spec in args.frontier:
+        model, sep, policy = spec.rpartition(":")
+        if not sep or not model or not policy:
+            print(f"error: --frontier {spec!r}: expected MODEL:POLICY, e.g. 2x:checkpoint", file=sys.stderr)
+            return 2
+        frontier.append((model, policy))
+    try:
+        paths = report.save(args.out, args.name, frontier=frontier or None)
+    except KeyError as e:
+        print(f"error: --frontier: {e.args[0]}", file=sys.stderr)
+        return 2
     print(report.to_markdown())
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0

@@ -376,6 +376,11 @@ def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
     with pytest.raises(ValueError, match=r"bad.json: rows\[0\] has unknown field\(s\) \['speed'\]"):
         Report.load(tmp_path / "bad.json")
     assert mod.main([str(tmp_path / "missing.json")]) == 2
+    assert mod.main([str(tmp_path / "main.json"), "--out", str(tmp_path / "f"), "--frontier", "tiny-llama:full",
+                     "--frontier", "tiny-llama:2x"]) == 0
+    assert (tmp_path / "f" / "eval_combined.png").read_bytes()[:8] == PNG_MAGIC
+    assert mod.main([str(tmp_path / "main.json"), "--out", str(tmp_path / "f"), "--frontier", "tiny-llama:9x"]) == 2
+    assert mod.main([str(tmp_path / "main.json"), "--out", str(tmp_path / "f"), "--frontier", "nocolon"]) == 2
 
 
 def test_rescore_recomputes_scores_from_stored_generations(sk, items_file):

@@ -470,51 +470,69 @@ class Report:
             )
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """PNG of quality (``meta['quality_metric']``) against realised theoretical speedup.
+    def plot(self, path: str | os.PathLike, frontier: Sequence[tuple[str, str]] | None = None) -> Path:
+        """PNG of quality (``meta['quality_metric']``) against realised speedup.
 
-        Filled markers: theoretical speedup (SkipDecode rows joined by a line, CALM rows as
-        triangles); hollow markers joined by a dotted line: wall-clock speedup of the same row.
-        One colour per model. Uses matplotlib's Agg canvas directly
-        (no pyplot, no global backend change). Returns the path.
+        Filled markers: theoretical speedup (L x decode steps / layers run); hollow markers joined
+        to them by a dotted line: the measured decode-step speedup of the same row (wall clock,
+        ratio of mean decode-step times against the model's full-depth row; unlike the tokens/s
+        ratio it does not move with output lengths). CALM rows are triangles. One colour per model.
+
+        Args:
+            path: PNG file to write.
+            frontier: optional ``(model, policy)`` rows joined by one thick line, e.g. each
+                fine-tuned checkpoint under its own schedule. Given, the per-model lines are
+                dropped and every point is labelled ``model policy``. None: one line per model.
+
+        Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
+
+        Returns:
+            the path.
+        Raises:
+            KeyError: a ``frontier`` row is not in the report (the message lists the rows).
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
 
         metric = self.meta.get("quality_metric", "bleu")
+        front = [self.row(m, p) for m, p in frontier] if frontier else []
         fig = Figure(figsize=(7.5, 5), dpi=120)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
         models = list(dict.fromkeys(r.model for r in self.rows))
-        colors = [f"C{i % 10}" for i in range(len(models))]
-        for model, color in zip(models, colors):
+        colors = {m: f"C{i % 10}" for i, m in enumerate(models)}
+        if front:
+            ax.plot([r.theoretical_speedup for r in front], [r.scores.get(metric) for r in front], "-",
+                    color="black", lw=2.5, alpha=0.35, zorder=1, label="SkipDecode frontier")
+        for model in models:
+            color = colors[model]
             rows = [r for r in self.rows if r.model == model and r.scores.get(metric) is not None]
-            # the batch-1 full-depth row only serves as CALM's reference: same point as "full"
+            # a second full-depth row at batch 1 only serves as CALM's reference: same point as "full"
             rows = [r for r in rows if not (r.reference and r.policy != "full")]
             rows.sort(key=lambda r: r.theoretical_speedup)
             line = [r for r in rows if r.kind != "calm"]
-            ax.plot([r.theoretical_speedup for r in line], [r.scores[metric] for r in line], "-o", color=color,
-                    label=model)
+            ax.plot([r.theoretical_speedup for r in line], [r.scores[metric] for r in line],
+                    "o" if front else "-o", color=color, label=model)
             for r in rows:
                 q = r.scores[metric]
                 marker = "^" if r.kind == "calm" else "s"
                 if r.kind == "calm":
                     ax.plot([r.theoretical_speedup], [q], marker, color=color)
-                if not math.isnan(r.wallclock_speedup):
-                    ax.plot([r.theoretical_speedup, r.wallclock_speedup], [q, q], ":", color=color, lw=1)
-                    ax.plot([r.wallclock_speedup], [q], marker, mfc="none", color=color)
-                ax.annotate(r.policy, (r.theoretical_speedup, q), textcoords="offset points", xytext=(4, 4),
-                            fontsize=7, color=color)
+                if not r.reference and not math.isnan(r.decode_speedup):
+                    ax.plot([r.theoretical_speedup, r.decode_speedup], [q, q], ":", color=color, lw=1)
+                    ax.plot([r.decode_speedup], [q], marker, mfc="none", color=color)
+                ax.annotate(f"{r.model} {r.policy}" if front else r.policy, (r.theoretical_speedup, q),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         handles, _ = ax.get_legend_handles_labels()
         handles += [
             Line2D([], [], marker="o", color="gray", ls="", label="theoretical (compute) speedup"),
-            Line2D([], [], marker="s", mfc="none", color="gray", ls="", label="wall-clock speedup"),
+            Line2D([], [], marker="s", mfc="none", color="gray", ls="", label="measured decode-step speedup"),
         ]
         if any(r.kind == "calm" for r in self.rows):
             handles.append(Line2D([], [], marker="^", color="gray", ls="", label="CALM (batch 1)"))
         ax.legend(handles=handles, fontsize=8, loc="best")
-        ax.set_xlabel("speedup over full depth (x)")
+        ax.set_xlabel("speedup over the same model at full depth (x)")
         ax.set_ylabel(_METRIC_LABELS.get(metric, metric))
         data = self.meta.get("data")
         where = f": {Path(str(data)).name}" if data else ""
@@ -526,13 +544,17 @@ class Report:
         fig.savefig(path, format="png")
         return path
 
-    def save(self, out_dir: str | os.PathLike, name: str = "eval") -> dict[str, Path]:
+    def save(self, out_dir: str | os.PathLike, name: str = "eval",
+             frontier: Sequence[tuple[str, str]] | None = None) -> dict[str, Path]:
         """Write ``{name}.json``, ``{name}.md`` and ``{name}.png`` into ``out_dir`` (created).
+
+        ``frontier`` goes to :meth:`plot`.
 
         Returns:
             ``{"json": path, "md": path, "png": path}``.
         Raises:
             OSError: the folder cannot be created or written.
+            KeyError: a ``frontier`` row is not in the report.
         """
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -541,7 +563,7 @@ class Report:
         tmp.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, paths["json"])
         paths["md"].write_text(self.to_markdown(), encoding="utf-8")
-        self.plot(paths["png"])
+        self.plot(paths["png"], frontier=frontier)
         return paths
 
 

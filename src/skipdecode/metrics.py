@@ -5,8 +5,10 @@
   smoothing; chrF with character order 6, word order 0, beta 2).
 * NIST (the E2E challenge's second metric): ``nltk.translate.nist_score.corpus_nist`` (n = 5) over
   sacrebleu's 13a tokenisation (the tokeniser of mteval-v13a, which the challenge used; case kept,
-  as for BLEU). NIST is information-weighted n-gram precision and is *not* on a 0-100 scale
-  (E2E systems score about 7-9). The challenge's METEOR (nltk needs the WordNet corpus, a download)
+  as for BLEU). NIST is information-weighted n-gram precision and is *not* on a 0-100 scale.
+  nltk scores each hypothesis against its best single reference (mteval clips n-gram counts
+  against all references at once), so its values run lower than the challenge's published NIST
+  (about 7-9 for E2E systems) and are comparable only with each other. The challenge's METEOR (nltk needs the WordNet corpus, a download)
   and CIDEr (pycocoevalcap, 100 MB with Java parts) are left out: neither works offline from PyPI.
 * ROUGE: Google's ``rouge-score`` (``rouge_scorer.RougeScorer`` with ``use_stemmer=True``).
   Note its default tokeniser lower-cases and keeps only ``[a-z0-9]`` tokens, so non-English
@@ -118,7 +120,8 @@ def corpus_nist(hypotheses: Sequence[str], references: Sequence[Sequence[str]], 
     (0.0 when every hypothesis is empty), so a degenerate system scores instead of crashing.
 
     Returns:
-        NIST score (>= 0, not bounded by 100; E2E systems score about 7-9).
+        NIST score (>= 0, not bounded by 100). nltk uses the best single reference per item, so
+        values run below mteval-v13a's multi-reference NIST; compare them only with each other.
     Raises:
         ValueError: as :func:`corpus_bleu`, or ``n`` < 1.
     """
