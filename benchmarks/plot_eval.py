@@ -14,6 +14,7 @@ and prints the Markdown table. Exit status 2 with a one-line message on a bad or
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.rescore:
             reports = [r.rescore() for r in reports]
         report = combine_reports(reports)
+        report.meta["post_command"] = shlex.join(["python", "benchmarks/plot_eval.py",
+                                                  *(sys.argv[1:] if argv is None else argv)])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -368,7 +368,10 @@ def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
     assert mod.main([str(tmp_path / "main.json"), str(tmp_path / "calm.json"), "--out", str(tmp_path / "o"),
                      "--name", "all"]) == 0
     assert (tmp_path / "o" / "all.png").read_bytes()[:8] == PNG_MAGIC
-    assert len(json.loads((tmp_path / "o" / "all.json").read_text())["rows"]) == 4
+    saved = json.loads((tmp_path / "o" / "all.json").read_text())
+    assert len(saved["rows"]) == 4
+    assert saved["meta"]["post_command"].startswith("python benchmarks/plot_eval.py ")
+    assert saved["meta"]["post_command"].endswith("--name all")
     other = evaluate(sk, items[:2], [], batch_size=2, max_new_tokens=4, stop=(), warmup=False)
     with pytest.raises(ValueError, match="n_items"):
         combine_reports([main, other])
