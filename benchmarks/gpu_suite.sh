@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's real runs in one script, for a machine with one CUDA GPU (used on an H200):
+# The project's real runs in one script, for a machine with one CUDA GPU (prepared, not run yet):
 # fine-tune SmolLM2-135M-Instruct on E2E dev at 1x, 2x, 3x, 5x and mixed 2/3/5x (full fine-tuning)
 # plus a 2x LoRA run, evaluate all of them on the 630 E2E test MRs (with the sanity rows and a
 # CALM-style early-exit row), CNN/DailyMail with the stock and the 2x model, and time decoding.
@@ -8,8 +8,8 @@
 #
 # MODEL: the embedded default name or a .gguf/checkpoint path; DATA_DIR holds devset.csv,
 # testset_w_refs.csv and cnndm_specbench80.jsonl. Every step's results land in OUT_DIR as soon as
-# it ends, so a run cut short still returns what it finished. Each training command is the same
-# one the README gives for the 2-core CPU (drop --device cuda there: ~2 h a run).
+# it ends, so a run cut short still returns what it finished. The training commands are the
+# README's CPU ones with more steps, a larger batch and --device cuda.
 set -uo pipefail
 MODEL=${1:-smollm2-135m-instruct}
 DATA=${2:-../shared/data}
