@@ -56,7 +56,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calm-model", default=None, help="label of the model that gets CALM rows (default: 1x, else the first)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 (E2E), 128 (CNN/DM)")
-    p.add_argument("--limit", type=int, default=None, help="first N items only (quick runs)")
+    p.add_argument("--limit", type=int, default=None, help="first N items only (quick runs), after --offset")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip the first N items (a shard; join shards with plot_eval.py --concat)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
@@ -118,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         items = list(load_eval_items(data, task=args.task))
     except DataError as e:
         _die(str(e))
+    if args.offset < 0:
+        _die(f"--offset must be >= 0, got {args.offset}")
+    items = items[args.offset:]
+    if not items:
+        _die(f"--offset {args.offset} skips every item of {data}")
     if args.limit:
         items = items[: args.limit]
 

@@ -1,13 +1,14 @@
-"""Join saved evaluation reports on the same items into one table and one plot.
+"""Join saved evaluation reports into one table and one plot.
 
-The README's E2E figure shows the batched SkipDecode rows (``eval_e2e.json``) and the batch-1
-CALM-style baseline (``eval_e2e_calm.json``, a separate run because CALM cannot batch) together:
+Reports on the same items are joined row by row, e.g. batched SkipDecode rows and a batch-1 CALM
+run, or one report redrawn with a frontier line and rescored with the current metric set:
 
-    python benchmarks/plot_eval.py benchmarks/results/eval_e2e.json \\
-        benchmarks/results/eval_e2e_calm.json --name eval_e2e_all --rescore \\
+    python benchmarks/plot_eval.py benchmarks/results/eval_e2e.json --name eval_e2e --rescore \\
         --frontier 1x:full --frontier 2x:checkpoint --frontier 3x:checkpoint --frontier 5x:checkpoint
 
-Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``--out`` (default: benchmarks/results)
+With ``--concat`` the reports are shards of one run over disjoint items (``eval_e2e.py --offset
+K --limit N``), joined into one report over all their items (sums, then speedups and scores
+recomputed). Writes ``NAME.json``, ``NAME.md`` and ``NAME.png`` into ``--out`` (default: benchmarks/results)
 and prints the Markdown table. Exit status 2 with a one-line message on a bad or mismatched file.
 """
 
@@ -29,18 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="eval_combined", help="output base name")
     p.add_argument("--frontier", action="append", default=[], metavar="MODEL:POLICY",
                    help="row joined into the plot's frontier line (repeatable, in order), e.g. 2x:checkpoint")
+    p.add_argument("--concat", action="store_true",
+                   help="the reports are shards of one run over disjoint items (--offset/--limit): join "
+                        "their items instead of their rows")
     p.add_argument("--rescore", action="store_true",
                    help="recompute scores from the stored generations with the task's current metric set "
                         "(e.g. NIST for reports written before it was added)")
     args = p.parse_args(argv)
 
-    from skipdecode.evaluate import Report, combine_reports
+    from skipdecode.evaluate import Report, combine_reports, concat_reports
 
     try:
         reports = [Report.load(path) for path in args.reports]
         if args.rescore:
             reports = [r.rescore() for r in reports]
-        report = combine_reports(reports)
+        report = concat_reports(reports) if args.concat else combine_reports(reports)
         report.meta["post_command"] = shlex.join(["python", "benchmarks/plot_eval.py",
                                                   *(sys.argv[1:] if argv is None else argv)])
     except ValueError as e:

@@ -283,6 +283,8 @@ def test_bad_data_files_give_data_error_and_clean_cli_exit(ckpt, tmp_path, conte
         (["--batch-size", "0"], "--batch-size"),
         (["--task", "qa"], "--task"),
         (["--metric", "meteor"], "unknown metric"),
+        (["--offset", "-1"], "--offset"),
+        (["--offset", "5"], "skips every item"),
     ],
 )
 def test_cli_bad_options_exit_2(ckpt, items_file, tmp_path, extra, match):
@@ -337,6 +339,15 @@ def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
     assert "| 2x | checkpoint" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         script.main(["--ckpt", str(tmp_path / "nope"), "--data", str(csv)])
+    assert exc.value.code == 2
+    # a shard: --offset skips items in file (MR) order, --limit caps what is left
+    rc = script.main(["--ckpt", f"2x={ckpt2}", "--no-stock", "--data", str(csv), "--offset", "1", "--limit", "1",
+                      "--max-new-tokens", "2", "--out", str(tmp_path / "res"), "--name", "shard", "--no-progress"])
+    assert rc == 0
+    shard = json.loads((tmp_path / "res" / "shard.json").read_text())
+    assert [it["prompt"] for it in shard["items"]] == [data["items"][1]["prompt"]]
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--ckpt", f"2x={ckpt2}", "--data", str(csv), "--offset", "3"])
     assert exc.value.code == 2
 
 
@@ -400,3 +411,46 @@ def test_rescore_recomputes_scores_from_stored_generations(sk, items_file):
     report.rows[0].generations.pop()
     with pytest.raises(ValueError, match="3 generations for 4 items"):
         report.rescore()
+
+
+def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
+    import importlib.util
+
+    from skipdecode.evaluate import concat_reports
+
+    items = list(load_eval_items(items_file))
+    kw = dict(batch_size=2, max_new_tokens=5, stop=(), warmup=False)
+    whole = evaluate(sk, items, [2.0], **kw)
+    # shard boundary on a batch boundary, so the batches (and decode steps) are those of `whole`
+    a, b = evaluate(sk, items[:2], [2.0], **kw), evaluate(sk, items[2:], [2.0], **kw)
+    joined = concat_reports([a, b])
+    assert joined.meta["n_items"] == 5 and len(joined.meta["shards"]) == 2
+    assert [it["prompt"] for it in joined.items] == [it.prompt for it in items]
+    for w, j in zip(whole.rows, joined.rows):
+        assert (j.model, j.policy) == (w.model, w.policy)
+        assert j.generations == w.generations
+        for name in ("n_items", "decode_steps", "layers_run", "new_tokens"):
+            assert getattr(j, name) == getattr(w, name), name
+        assert j.theoretical_speedup == pytest.approx(w.theoretical_speedup)
+        # corpus-level scores over all items, not an average of the shards' scores
+        assert j.scores == pytest.approx(w.scores)
+        assert j.generation_seconds == pytest.approx(sum(r.generation_seconds for r in (a.row(j.model, j.policy),
+                                                                                        b.row(j.model, j.policy))))
+    assert joined.row("tiny-llama", "full").decode_speedup == 1.0
+    skip = joined.row("tiny-llama", "2x")
+    assert skip.decode_speedup == pytest.approx(joined.row("tiny-llama", "full").step_seconds / skip.step_seconds)
+    with pytest.raises(ValueError, match="more than one report"):
+        concat_reports([a, a])
+    with pytest.raises(ValueError, match="rows"):
+        concat_reports([a, evaluate(sk, items[2:], ["full"], **kw)])
+
+    # the script: eval_e2e-style shards joined by plot_eval.py --concat
+    a.save(tmp_path, "a")
+    b.save(tmp_path, "b")
+    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "benchmarks" / "plot_eval.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--concat", "--out", str(tmp_path),
+                     "--name", "ab"]) == 0
+    assert Report.load(tmp_path / "ab.json").row("tiny-llama", "2x").generations == whole.row("tiny-llama", "2x").generations
+    assert mod.main([str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--concat", "--out", str(tmp_path)]) == 2

@@ -219,7 +219,8 @@ def eval_command(
     policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint' or a JSON policy dict (repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's)."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Prompts per generation batch."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items (after --offset)."),
+    offset: int = typer.Option(0, "--offset", help="Skip the first N items (evaluate a shard; join shards with benchmarks/plot_eval.py --concat)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per item (default: 64 for E2E/plain, 128 for CNN/DM)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable; default: newline for E2E, none otherwise; --stop '' for none)."),
     metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, nist, rouge1, rouge2, rougeL (default: by task)."),
@@ -243,6 +244,8 @@ def eval_command(
         fail(f"--batch-size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
         fail(f"--limit must be >= 1, got {limit}")
+    if offset < 0:
+        fail(f"--offset must be >= 0, got {offset}")
     if max_new_tokens is not None and max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if task is not None and task not in TASKS:
@@ -259,7 +262,10 @@ def eval_command(
         fail(str(e))
     if getattr(items, "n_skipped", 0):
         err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {data}[/]", highlight=False)
-    items = list(items)[:limit] if limit else list(items)
+    items = list(items)[offset:]
+    if not items:
+        fail(f"--offset {offset} skips every item of {data}")
+    items = items[:limit] if limit else items
     eval_task = task or detect_task(data)
 
     def loader(spec):
