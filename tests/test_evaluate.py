@@ -299,12 +299,12 @@ def test_cli_bad_options_exit_2(ckpt, items_file, tmp_path, extra, match):
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_script():
+def _load_script(name: str = "eval_e2e"):
+    """Import benchmarks/NAME.py as a module (the benchmarks folder is not a package)."""
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_e2e.py"
-    spec = importlib.util.spec_from_file_location("eval_e2e_script", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -352,8 +352,6 @@ def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
 
 
 def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
-    import importlib.util
-
     items = load_eval_items(items_file)[:3]
     main = evaluate(sk, items, [2.0], batch_size=3, max_new_tokens=4, stop=(), warmup=False)
     calm = evaluate(sk, items, [], batch_size=1, max_new_tokens=4, stop=(), warmup=False,
@@ -373,9 +371,7 @@ def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
     assert main.meta["command"] in md and calm.meta["command"] in md
 
     # the script writes the three files; mismatched items and non-reports are clean errors
-    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "benchmarks" / "plot_eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("plot_eval")
     assert mod.main([str(tmp_path / "main.json"), str(tmp_path / "calm.json"), "--out", str(tmp_path / "o"),
                      "--name", "all"]) == 0
     assert (tmp_path / "o" / "all.png").read_bytes()[:8] == PNG_MAGIC
@@ -414,8 +410,6 @@ def test_rescore_recomputes_scores_from_stored_generations(sk, items_file):
 
 
 def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
-    import importlib.util
-
     from skipdecode.evaluate import concat_reports
 
     items = list(load_eval_items(items_file))
@@ -447,9 +441,7 @@ def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
     # the script: eval_e2e-style shards joined by plot_eval.py --concat
     a.save(tmp_path, "a")
     b.save(tmp_path, "b")
-    spec = importlib.util.spec_from_file_location("plot_eval", Path(__file__).parent.parent / "benchmarks" / "plot_eval.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("plot_eval")
     assert mod.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--concat", "--out", str(tmp_path),
                      "--name", "ab"]) == 0
     assert Report.load(tmp_path / "ab.json").row("tiny-llama", "2x").generations == whole.row("tiny-llama", "2x").generations
