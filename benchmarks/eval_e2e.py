@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         _die("nothing to evaluate: give --ckpt and/or drop --no-stock")
 
     from skipdecode import load
-    from skipdecode.data import DataError, default_data_dir, load_eval_items
+    from skipdecode.data import DataError, default_data_dir, load_eval_items, select_items
     from skipdecode.evaluate import evaluate
     from skipdecode.loading import LoadError
 
@@ -120,13 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         items = list(load_eval_items(data, task=args.task))
     except DataError as e:
         _die(str(e))
-    if args.offset < 0:
-        _die(f"--offset must be >= 0, got {args.offset}")
-    items = items[args.offset:]
-    if not items:
-        _die(f"--offset {args.offset} skips every item of {data}")
-    if args.limit:
-        items = items[: args.limit]
+    try:
+        items = select_items(items, args.offset, args.limit, str(data))
+    except ValueError as e:
+        _die(str(e))
 
     def loader(target):
         def load_one():

@@ -236,7 +236,7 @@ def eval_command(
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
-    from .data import DataError, default_data_dir, load_eval_items
+    from .data import DataError, default_data_dir, load_eval_items, select_items
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
 
@@ -244,8 +244,6 @@ def eval_command(
         fail(f"--batch-size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
         fail(f"--limit must be >= 1, got {limit}")
-    if offset < 0:
-        fail(f"--offset must be >= 0, got {offset}")
     if max_new_tokens is not None and max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if task is not None and task not in TASKS:
@@ -262,10 +260,10 @@ def eval_command(
         fail(str(e))
     if getattr(items, "n_skipped", 0):
         err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {data}[/]", highlight=False)
-    items = list(items)[offset:]
-    if not items:
-        fail(f"--offset {offset} skips every item of {data}")
-    items = items[:limit] if limit else items
+    try:
+        items = select_items(items, offset, limit, str(data))
+    except ValueError as e:
+        fail(str(e))
     eval_task = task or detect_task(data)
 
     def loader(spec):

@@ -45,6 +45,7 @@ from typing import Any
 
 __all__ = [
     "DataError",
+    "select_items",
     "Example",
     "EvalItem",
     "ReadResult",
@@ -789,3 +790,19 @@ def median_response_tokens(examples: Iterable[Example | str], tokenizer: Any) ->
     ids = encoded["input_ids"]
     lengths = [len(x) for x in ids]
     return int(math.floor(statistics.median(lengths) + 0.5))
+
+
+def select_items(items: Sequence[Any], offset: int = 0, limit: int | None = None, source: str = "") -> list[Any]:
+    """``items[offset:offset + limit]`` (a shard of an evaluation set; all from ``offset`` if no limit).
+
+    Raises:
+        ValueError: ``offset`` < 0, ``limit`` < 1, or ``offset`` skips every item (names ``source``).
+    """
+    if offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {offset}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    chosen = list(items)[offset:]
+    if not chosen:
+        raise ValueError(f"--offset {offset} skips every item of {source}")
+    return chosen[:limit] if limit else chosen
