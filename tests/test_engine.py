@@ -37,6 +37,7 @@ gen_mod = importlib.import_module("skipdecode.generate")
 NUM_LAYERS = 6
 SKIP = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
 SKIP_W0 = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=1, warmup_layers=0, horizon=3)
+SKIP_W2 = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=3, warmup_layers=2, horizon=4)
 N_NEW = 8
 PROMPT_LENS = [7, 3, 5, 1]
 
@@ -173,7 +174,7 @@ def recompute_with_layer_mask(adapter, ids, mask, generated, policy):
     return logits[:, P - 1 :]  # (B, n, V): position P-1+i gives generated token i
 
 
-@pytest.mark.parametrize("policy", [SKIP, SKIP_W0], ids=["warmup1", "warmup0"])
+@pytest.mark.parametrize("policy", [SKIP, SKIP_W0, SKIP_W2], ids=["warmup1", "warmup0", "warmup2"])
 def test_cached_skip_decode_equals_recomputation(family, policy):
     model, adapter = model_and_adapter(family)
     ids, mask = left_pad(prompts(), pad_id(model))
@@ -231,7 +232,7 @@ def recorded_caches(monkeypatch):
     return caches
 
 
-@pytest.mark.parametrize("policy", [SKIP, SKIP_W0], ids=["warmup1", "warmup0"])
+@pytest.mark.parametrize("policy", [SKIP, SKIP_W0, SKIP_W2], ids=["warmup1", "warmup0", "warmup2"])
 def test_cache_length_per_layer_counts_tokens_that_ran_it(family, policy, recorded_caches):
     model, adapter = model_and_adapter(family)
     ids, mask = left_pad(prompts(), pad_id(model))
@@ -285,7 +286,7 @@ def test_batched_equals_each_prompt_alone(family, policy):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [SKIP, SKIP_W0], ids=["warmup1", "warmup0"])
+@pytest.mark.parametrize("policy", [SKIP, SKIP_W0, SKIP_W2], ids=["warmup1", "warmup0", "warmup2"])
 def test_forward_hooks_see_exactly_the_plan(family, policy):
     model, adapter = model_and_adapter(family)
     ran: list[int] = []

@@ -417,8 +417,11 @@ def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
     whole = evaluate(sk, items, [2.0], **kw)
     # shard boundary on a batch boundary, so the batches (and decode steps) are those of `whole`
     a, b = evaluate(sk, items[:2], [2.0], **kw), evaluate(sk, items[2:], [2.0], **kw)
+    a.meta["command"], b.meta["command"] = "run shard a", "run shard b"
     joined = concat_reports([a, b])
     assert joined.meta["n_items"] == 5 and len(joined.meta["shards"]) == 2
+    assert "`run shard a` + `run shard b`" in joined.to_markdown()  # every shard's command is shown
+    assert "rescored" not in joined.meta  # joining scores the items once; nothing was rescored
     assert [it["prompt"] for it in joined.items] == [it.prompt for it in items]
     for w, j in zip(whole.rows, joined.rows):
         assert (j.model, j.policy) == (w.model, w.policy)

@@ -56,3 +56,28 @@ def test_default_model_full_depth_matches_hf_generate():
     )
     # sanity: the instruct model answers the question (the weights were dequantized correctly)
     assert "Paris" in sk.tokenizer.decode(ours[0])
+
+
+def test_default_model_is_plain_float_and_round_trips_through_save(tmp_path):
+    """PITFALLS 12: the GGUF loads dequantized into a plain float32 model (not flagged as
+    quantized, so save_pretrained and training work), and what it saves reloads identically."""
+    import skipdecode
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sk = skipdecode.load()
+        assert getattr(sk.model, "hf_quantizer", None) is None
+        assert not getattr(sk.model, "is_quantized", False)
+        assert {p.dtype for p in sk.model.parameters()} == {torch.float32}
+        loaded = skipdecode.load(sk.save_pretrained(tmp_path / "smollm2"))
+        want, got = sk.model.state_dict(), loaded.model.state_dict()
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+        policy = sk.policy_for(speedup=2)
+        a = sk.generate([PROMPT], policy=policy, max_new_tokens=4)
+        b = loaded.generate([PROMPT], policy=policy, max_new_tokens=4)
+    finally:
+        torch.set_num_threads(threads)
+    assert a.token_ids == b.token_ids and len(a.token_ids[0]) == 4

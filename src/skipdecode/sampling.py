@@ -56,7 +56,15 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws next tokens (B,) from logits (B, V) according to :class:`SamplingParams`."""
+    """Draws next tokens (B,) from logits (B, V) according to :class:`SamplingParams`.
+
+    Args:
+        params: temperature / top-k / top-p / seed; greedy (argmax) when temperature is 0.
+            Warping uses Hugging Face's ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
+            ``TopPLogitsWarper`` in that order, as ``transformers.generate`` does.
+        device: device of the ``torch.Generator`` (that of the logits); seeded with
+            ``params.seed`` so a seed reproduces a sample, else from OS entropy.
+    """
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
@@ -76,7 +84,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Next token ids (B,) for ``logits`` (B, V); ``input_ids`` (B, K) is passed to warpers.
 
-        NaN logits never reach sampling: they raise RuntimeError (PITFALLS 5).
+        NaN logits never reach sampling (PITFALLS 5).
+
+        Raises:
+            RuntimeError: ``logits`` hold a NaN (greedy: in a chosen position, which argmax
+                picks whenever a row holds one).
         """
         if self.params.greedy:
             tokens = logits.argmax(dim=-1)

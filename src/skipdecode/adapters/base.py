@@ -55,15 +55,28 @@ class Adapter:
         raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Input embeddings (B, T, C) for ``input_ids`` (B, T) at ``position_ids`` (B, T)."""
+        """Input embeddings (B, T, C) for ``input_ids`` (B, T) at ``position_ids`` (B, T).
+
+        Raises:
+            NotImplementedError: a subclass must implement it (each family's adapter does).
+        """
         raise NotImplementedError
 
     def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """Extra keyword arguments every decoder layer gets for this forward (default: none)."""
+        """Extra keyword arguments every decoder layer gets for this forward (default: none).
+
+        ``hidden`` is the layer input (B, T, C) (used only for its dtype and device) and
+        ``position_ids`` (B, T) the absolute positions (tokens) of the T new tokens; the values
+        of the returned dict are computed once per forward and passed to every layer.
+        """
         return {}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) from the last hidden state (B, T, C): final norm, projections, LM head."""
+        """Logits (B, T, V) from the last hidden state (B, T, C): final norm, projections, LM head.
+
+        Raises:
+            NotImplementedError: a subclass must implement it (each family's adapter does).
+        """
         raise NotImplementedError
 
     # -- shared ----------------------------------------------------------------------------

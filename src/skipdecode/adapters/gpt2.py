@@ -25,7 +25,10 @@ class GPT2Adapter(Adapter):
         return tr.drop(tr.wte(input_ids) + tr.wpe(position_ids))
 
     def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """GPT-2 blocks need no per-forward extras besides ``position_ids``."""
+        """``{"position_ids": (B, T)}``: GPT-2 blocks need no other per-forward extras.
+
+        ``hidden`` (B, T, C) is unused; positions are added once in :meth:`embed`.
+        """
         return {"position_ids": position_ids}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

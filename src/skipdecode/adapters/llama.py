@@ -24,7 +24,12 @@ class LlamaAdapter(Adapter):
         return self.model.model.embed_tokens(input_ids)
 
     def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """Rotary ``(cos, sin)`` for ``position_ids`` (B, T), computed once per forward."""
+        """Rotary ``(cos, sin)`` for ``position_ids`` (B, T), computed once per forward.
+
+        ``hidden`` (B, T, C) gives the dtype and device. Returns ``position_embeddings``, the
+        model's own ``rotary_emb`` output ``(cos, sin)``, each (B, T, head_dim), and
+        ``position_ids`` (B, T).
+        """
         return {
             "position_embeddings": self.model.model.rotary_emb(hidden, position_ids=position_ids),
             "position_ids": position_ids,

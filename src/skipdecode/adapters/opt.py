@@ -34,11 +34,18 @@ class OPTAdapter(Adapter):
         return x + pos
 
     def layer_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
-        """OPT layers take ``position_ids`` only for flash-attention; passed for completeness."""
+        """``{"position_ids": (B, T)}``: OPT layers use it only for flash-attention.
+
+        ``hidden`` (B, T, C) is unused; learned positions are added once in :meth:`embed`.
+        """
         return {"position_ids": position_ids}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Optional final layer norm, optional ``project_out``, then the LM head."""
+        """Logits (B, T, V) from the last hidden state (B, T, C).
+
+        Optional final layer norm (pre-LN OPT only), optional ``project_out`` (C -> the word
+        embedding width, e.g. OPT-350m), then the LM head.
+        """
         dec = self.model.model.decoder
         if dec.final_layer_norm is not None:
             hidden = dec.final_layer_norm(hidden)
