@@ -147,16 +147,19 @@ def test_bad_arguments(tiny):
     assert len(batch_prompts(40)) == 40 and len(set(batch_prompts(32))) == 32
 
 
-def test_cli_bench_last_line_is_json(tiny, tmp_path):
+def test_cli_bench_last_line_is_json(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from skipdecode.cli import app
 
     ckpt = tiny.save_pretrained(tmp_path / "tiny")
-    out = tmp_path / "res" / "speed.json"
+    # no --out: the default is a folder in the working directory, never the repository's
+    # committed benchmarks/results/ (a user's quick try must not overwrite the published record)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "skipdecode-bench" / "decode_speed.json"
     args = [
         "bench", "--model", str(ckpt), "--batch-sizes", "1,2", "--speedups", "2", "--new-tokens", "3",
-        "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(out), "--profile",
+        "--repeats", "1", "--warmup", "0", "--threads", "1", "--profile",
         "--profile-batch-sizes", "1",
     ]
     threads = torch.get_num_threads()
@@ -176,6 +179,8 @@ def test_cli_bench_last_line_is_json(tiny, tmp_path):
     assert saved["meta"]["command"].startswith(f"skipdecode bench --model {ckpt} --batch-sizes 1,2 --speedups 2")
     assert "--repeats 1" in saved["meta"]["command"] and "--horizon" not in saved["meta"]["command"]
     assert out.with_suffix(".png").exists()
+    # the target line names the batch sizes it checked (batch 2 is not one of them)
+    assert "at batch 1:" in " ".join(res.stderr.split()) and "1 and 8" not in res.stderr
 
 
 def test_cli_bench_bad_options(tmp_path):

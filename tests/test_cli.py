@@ -250,3 +250,19 @@ def test_speedup_combines_with_warmup_layers(runner, random_dir):
     assert res.exit_code == 0, res.output
     policy = json.loads(res.stdout.strip().splitlines()[-1])["stats"]["policy"]
     assert policy["warmup_layers"] == 2 and policy["horizon"] == 4 and policy["type"] == "linear_decay"
+
+
+def test_serve_on_a_busy_port_fails_at_once_with_one_line(runner, tmp_path):
+    """The port is checked before the model loads: a model path that does not exist is never
+    reached, and the message names --port."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = invoke(runner, ["serve", "--port", str(port), "--model", str(tmp_path / "no_such_model")])
+    assert res.exit_code == 2, res.output
+    message = squash(res.output)
+    assert "--port" in message and str(port) in message and "no_such_model" not in message, res.output
+    assert "Traceback" not in res.output

@@ -88,9 +88,168 @@ def test_completion_stream_ends_each_row_with_its_finish_reason(client, sk):
 def test_bad_values_give_400_naming_the_field(client, body, field):
     resp = client.post("/v1/completions", json=body)
     assert resp.status_code == 400
-    assert field in resp.json()["detail"]
+    assert field in resp.json()["error"]["message"]
 
 
-def test_schema_errors_give_422(client):
-    assert client.post("/v1/completions", json={"prompt": "x", "top_p": 2}).status_code == 422
-    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 422
+def assert_openai_error(resp, status: int, param, *words: str, kind: str = "invalid_request_error") -> str:
+    """``resp`` is ``status`` with exactly OpenAI's error body; its message holds ``words``."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == (kind, param, None)
+    assert isinstance(err["message"], str)
+    for word in words:
+        assert word in err["message"]
+    return err["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        # pydantic constraint: was FastAPI's 422 {"detail": [...]}
+        ({"prompt": "x", "max_tokens": -5}, "max_tokens", ["max_tokens: Input should be greater than or equal to 1"]),
+        ({"prompt": "x", "temperature": "hot"}, "temperature", ["temperature: ", "valid number"]),
+        ({"prompt": "x", "top_p": 2}, "top_p", ["top_p: ", "less than or equal to 1"]),
+        # a union: no pydantic member tag ("stop.str") in param or message
+        ({"prompt": "x", "stop": 5}, "stop", ["stop: Input should be a valid string or ", "valid list"]),
+        ({"max_tokens": 2}, "prompt", ["prompt: Field required"]),
+        # the engine's checks: was 400 {"detail": "..."}
+        ({"prompt": "x", "speedup": 0.5}, "speedup", ["speedup", ">= 1", "0.5"]),
+        ({"prompt": "x", "min_layers": 9, "max_layers": 3}, "min_layers", ["min_layers"]),
+        ({"prompt": "x", "max_tokens": 10_000}, "max_tokens", ["max_new_tokens"]),
+        ({"prompt": "   "}, "prompt", ["prompts[0]"]),
+        ({"prompt": []}, "prompt", ["prompt"]),
+    ],
+)
+def test_bad_requests_give_openai_error_bodies(client, body, param, words):
+    assert_openai_error(client.post("/v1/completions", json=body), 400, param, *words)
+
+
+def test_chat_schema_errors_name_the_nested_field(client):
+    assert_openai_error(client.post("/v1/chat/completions", json={"messages": []}), 400, "messages", "messages: ")
+    bad_role = {"messages": [{"role": "bot", "content": "hi"}]}
+    assert_openai_error(client.post("/v1/chat/completions", json=bad_role), 400, "messages[0].role",
+                        "messages[0].role: ", "'user'")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_broken_json_is_400_with_null_param(client, path):
+    resp = client.post(path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, None, "not valid JSON")
+    resp = client.post(path, json=["not", "an", "object"])
+    assert_openai_error(resp, 400, None, "body: ")
+
+
+def test_unknown_model_is_404(client):
+    resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "gpt-4"})
+    assert_openai_error(resp, 404, "model", "gpt-4", "tiny")
+    msgs = [{"role": "user", "content": "hi"}]
+    resp = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "model": "gpt-4"})
+    assert_openai_error(resp, 404, "model", "gpt-4")
+    assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model", "gpt-4")
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "tiny"}).status_code == 200
+
+
+def test_unknown_route_and_method_use_the_error_shape(client):
+    assert_openai_error(client.get("/v1/nope"), 404, None)
+    resp = client.get("/v1/completions")
+    assert_openai_error(resp, 405, None)
+    assert resp.headers["allow"] == "POST"  # the exception's headers survive the handler
+
+
+def test_server_fault_is_500_server_error(sk, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("CUDA exploded")
+
+    monkeypatch.setattr(sk, "generate", boom)
+    resp = TestClient(create_app(sk, "tiny"), raise_server_exceptions=False).post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    message = assert_openai_error(resp, 500, None, kind="server_error")
+    assert "CUDA exploded" not in message  # no internals in the answer; the server logs them
+
+
+def test_one_token_run_has_json_safe_usage(client):
+    # no decode step: step_seconds is NaN, which JSON cannot carry (it used to answer 500)
+    resp = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    stats = resp.json()["usage"]["skipdecode"]
+    assert stats["decode_steps"] == 0 and stats["step_seconds"] is None
+
+
+def stream_events(client, path: str, body: dict) -> list:
+    """The decoded ``data:`` events of a streamed request; the last one must be ``[DONE]``."""
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "[DONE]" not in lines[:-1]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": ["The Eagle is", "Describe the restaurant"]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Describe the restaurant"}]}),
+    ],
+)
+def test_stream_include_usage_sends_one_last_usage_chunk(client, path, body):
+    body = {**body, "max_tokens": 6, "speedup": 2, "horizon": 4}
+    full = client.post(path, json=body).json()
+    events = stream_events(client, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    with_usage = [e for e in events if e["usage"] is not None]
+    assert with_usage == [events[-1]]  # exactly one, the last before [DONE]
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])
+    last = events[-1]
+    assert last["choices"] == []
+    assert last["id"] == events[0]["id"] and last["object"] == events[0]["object"]
+    use, want = last["usage"], full["usage"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert use[key] == want[key], key
+    assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] > 0
+    stats, want_stats = use["skipdecode"], want["skipdecode"]
+    assert set(stats) == set(want_stats)
+    for key in ("batch_size", "prompt_tokens", "new_tokens", "decode_steps", "num_layers", "policy",
+                "mean_active_layers", "theoretical_speedup"):
+        assert stats[key] == want_stats[key], key
+    # the text is unchanged by include_usage
+    if path == "/v1/completions":
+        for row, choice in enumerate(full["choices"]):
+            text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == row)
+            assert text == choice["text"]
+    else:
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert text == full["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("options", [None, {"include_usage": False}])
+def test_stream_without_include_usage_has_no_usage(client, options):
+    body = {"prompt": "The Eagle is", "max_tokens": 4, "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    events = stream_events(client, "/v1/completions", body)
+    assert events and all("usage" not in e and len(e["choices"]) == 1 for e in events)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_without_stream_is_400(client, path, body, stream):
+    body = {**body, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    if stream is not None:
+        body["stream"] = stream
+    assert_openai_error(client.post(path, json=body), 400, "stream_options", "stream_options", "stream")
+
+
+def test_stream_error_event_has_the_error_shape(client):
+    events = stream_events(client, "/v1/completions", {"prompt": "x", "max_tokens": 10_000, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    assert len(events) == 1 and set(events[0]["error"]) == {"message", "type", "param", "code"}
+    assert events[0]["error"]["param"] == "max_tokens"

@@ -260,6 +260,47 @@ def test_train_learns_the_schedule_and_writes_a_loadable_checkpoint(tmp_path):
     assert info.value.field == "out_dir"
 
 
+def test_finished_model_is_never_silently_replaced(tmp_path, caplog):
+    """A run directory holding only ``final/`` (checkpoints removed) is refused, with or without
+    resume; resume on an empty directory starts fresh with a visible warning."""
+    run = tmp_path / "run"
+    train(tiny_skipmodel(), examples(), cfg(run, max_steps=1, checkpoint_every=0))
+    for ck in run.glob("checkpoint-*"):
+        import shutil
+
+        shutil.rmtree(ck)
+    before = (run / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(TrainConfigError, match="finished model") as info:
+        train(tiny_skipmodel(seed=1), examples(), cfg(run, max_steps=1))
+    assert info.value.field == "out_dir"
+    with pytest.raises(TrainConfigError, match="finished model") as info:
+        train(tiny_skipmodel(seed=1), examples(), cfg(run, max_steps=1, resume=True))
+    assert info.value.field == "resume"
+    assert (run / "final" / "model.safetensors").read_bytes() == before
+    with caplog.at_level("WARNING", logger="skipdecode.train"):
+        result = train(tiny_skipmodel(), examples(), cfg(tmp_path / "empty", max_steps=1, resume=True))
+    assert result.resumed_from is None and "starting a fresh run" in caplog.text
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    """Atomic writes go through mkstemp/mkdtemp (private 0600/0700); what lands must have the
+    modes a plain write gives under the umask, so others can read a checkpoint."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        result = train(tiny_skipmodel(), examples(), cfg(tmp_path / "run", max_steps=1, checkpoint_every=1))
+    finally:
+        os.umask(old)
+    paths = [Path(result.final_dir), Path(result.final_dir) / "model.safetensors",
+             Path(result.final_dir) / SKIP_CONFIG_NAME, tmp_path / "run" / "train_record.json",
+             latest_checkpoint(tmp_path / "run"), latest_checkpoint(tmp_path / "run") / SKIP_CONFIG_NAME]
+    for p in paths:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == (0o755 if p.is_dir() else 0o644), (p, oct(mode))
+
+
 def test_examples_whose_prompt_fills_max_length_are_dropped_and_counted(tmp_path, tokenizer):
     exs = examples()
     lengths = sorted(len(x.prompt_ids) for x in tokenize_examples(tokenizer, exs, chat=True, max_length=512)[0])

@@ -108,9 +108,9 @@ def generate(
     prompts: List[str] = typer.Argument(None, help="Prompt(s); several run as one left-padded batch."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Text file, one prompt per line (added to the batch)."),
-    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (METHOD.md)."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (paper Sec. 3; README 'How SkipDecode works')."),
     max_layers: Optional[int] = typer.Option(None, "--max-layers", help="e_max: layers at step 0 of the decay."),
-    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget."),
+    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default with --max-layers alone: = max, a constant budget)."),
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
@@ -407,7 +407,7 @@ def bench(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time Hugging Face generate on the same prompts."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Prompt pool, one per line (default: 32 built-in prompts)."),
-    output: Path = typer.Option(Path("benchmarks/results/decode_speed.json"), "--output", "--out", "-o", help="Results JSON (a PNG plot is written beside it)."),
+    output: Path = typer.Option(Path("skipdecode-bench/decode_speed.json"), "--output", "--out", "-o", help="Results JSON (a PNG plot is written beside it). benchmarks/decode_speed.py writes benchmarks/results/ instead."),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot beside the JSON."),
     profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
@@ -475,12 +475,37 @@ def bench(
     if profile:
         table_out.print(B.profile_table(result["profile"]))
     t = result["targets"]
+    checked = sorted({int(k.split("/")[0]) for k in t["wall_over_theoretical"]})
+    wall_target = (f"wall/theoretical >= {t['wall_over_theoretical_min']} at batch "
+                   f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
+                   else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup)")
     err.print(
-        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | wall/theoretical >= "
-        f"{t['wall_over_theoretical_min']} at batch 1 and 8: {t['wall_over_theoretical_met']} | results: {path}[/]",
+        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {path}[/]",
         highlight=False,
     )
     print(json.dumps(result), flush=True)
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Exit with a one-line error when ``host:port`` cannot be bound (port in use, bad host).
+
+    Binds and closes a socket with the options uvicorn uses (``SO_REUSEADDR``), so a port in
+    TIME_WAIT is not reported busy.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        fail(f"--host {host!r}: cannot resolve it ({e.strerror})")
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            fail(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                 "is another server using it? Choose another --port")
 
 
 @app.command()
@@ -500,6 +525,7 @@ def serve(
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
+    _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     import uvicorn

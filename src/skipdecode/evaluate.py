@@ -829,10 +829,6 @@ def evaluate(
     batches = [[items[j] for j in order[i : i + batch_size]] for i in range(0, len(items), batch_size)]
 
     bar = None
-    if progress is True:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(entries) * len(batches), unit="batch", desc="eval", file=sys.stderr, dynamic_ncols=True)
     done = 0
     rows: list[EvalRow] = []
     model_info: dict[str, dict[str, Any]] = {}
@@ -850,6 +846,13 @@ def evaluate(
                 model, label, policies, horizon, batch_size, calm_cfgs,
                 calm_models is None or label in calm_models,
             )
+            if bar is None and progress is True:
+                # drawn once the first model is loaded and its policies resolved, so that a bad
+                # model or policy fails with its message alone, not under a stray empty bar
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(entries) * len(batches), unit="batch", desc="eval", file=sys.stderr,
+                           dynamic_ncols=True)
             gen_kwargs = dict(max_new_tokens=max_new_tokens, stop=stop, chat=chat)
             if warmup:  # untimed: first calls pay one-off kernel and allocator set-up
                 warm = dict(max_new_tokens=min(8, max_new_tokens), stop=stop, chat=chat)

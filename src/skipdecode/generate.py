@@ -211,6 +211,30 @@ class GenerationResult:
     batch_size: int
     policy: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_record(cls, record: dict, num_layers: int, policy: SkipPolicy) -> "GenerationResult":
+        """The result of a finished :func:`stream_generate` run, from the ``record`` dict it
+        filled (its ``_record`` argument): what :func:`generate` returns, and what a streaming
+        caller (the server's usage statistics) rebuilds after the last chunk.
+
+        Raises:
+            KeyError: ``record`` is not that of a finished run.
+        """
+        return cls(
+            texts=record["texts"],
+            token_ids=record["token_ids"],
+            finish_reasons=record["finish_reasons"],
+            prompt_tokens=record["prompt_tokens"],
+            new_tokens=[len(ids) for ids in record["token_ids"]],
+            prefill_seconds=record["prefill_seconds"],
+            decode_seconds=record["decode_seconds"],
+            decode_steps=record["decode_steps"],
+            layers_run=record["layers_run"],
+            num_layers=num_layers,
+            batch_size=record["batch_size"],
+            policy=policy.to_dict(),
+        )
+
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens of all rows / (prefill + decode seconds)."""
@@ -466,17 +490,4 @@ def generate(
     ):
         if on_chunk is not None:
             on_chunk(chunk)
-    return GenerationResult(
-        texts=record["texts"],
-        token_ids=record["token_ids"],
-        finish_reasons=record["finish_reasons"],
-        prompt_tokens=record["prompt_tokens"],
-        new_tokens=[len(ids) for ids in record["token_ids"]],
-        prefill_seconds=record["prefill_seconds"],
-        decode_seconds=record["decode_seconds"],
-        decode_steps=record["decode_steps"],
-        layers_run=record["layers_run"],
-        num_layers=adapter.num_layers,
-        batch_size=record["batch_size"],
-        policy=policy.to_dict(),
-    )
+    return GenerationResult.from_record(record, adapter.num_layers, policy)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .model import SKIP_CONFIG_NAME, SkipModel
+from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
 from .policy import policy_from_dict
 
 __all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
@@ -81,6 +81,7 @@ def _atomic_save(model: Any, tokenizer: Any, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    apply_umask(tmp)
     try:
         os.replace(tmp, target)
     except OSError:  # another process won the race; keep theirs

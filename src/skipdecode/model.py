@@ -14,18 +14,42 @@ from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .policy import FullPolicy, SkipPolicy, for_speedup
 from .sampling import SamplingParams
 
-__all__ = ["SkipModel", "SKIP_CONFIG_NAME", "write_json_atomic"]
+__all__ = ["SkipModel", "SKIP_CONFIG_NAME", "apply_umask", "write_json_atomic"]
 
 SKIP_CONFIG_NAME = "skipdecode.json"
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` (a file, or a folder and everything under it) the modes a plain ``open`` /
+    ``mkdir`` would have given it under the process umask (files 0o666, folders 0o777, less the
+    umask). ``tempfile.mkstemp``/``mkdtemp``, used for atomic writes, create them private (0o600 /
+    0o700), which would leave checkpoints unreadable by other users or containers."""
+    mask = _umask()
+    path = Path(path)
+    if path.is_dir():
+        for root, dirs, files in os.walk(path):
+            os.chmod(root, 0o777 & ~mask)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename)."""
+    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename),
+    with the mode a plain ``open`` would give it (:func:`apply_umask`)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
+    apply_umask(tmp)
     os.replace(tmp, path)
 
 
@@ -193,6 +217,7 @@ class SkipModel:
         config.update(policy=self.policy.to_dict(), chat=self.chat, num_layers=self.num_layers)
         config.update(extra or {})
         write_json_atomic(tmp / SKIP_CONFIG_NAME, config)
+        apply_umask(tmp)
         if target.exists():
             old = target.with_name(target.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

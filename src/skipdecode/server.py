@@ -5,25 +5,129 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 carry the SkipDecode fields ``speedup`` or ``max_layers``/``min_layers``/``warmup_layers``/``horizon``;
 the response's ``usage`` carries the generation statistics (``skipdecode`` key). A completions
 request with a list of prompts runs as one left-padded batch. Requests are served one batch at a
-time (a lock around the engine).
+time (a lock around the engine). ``GET /v1/models/{model}`` retrieves the served model.
+
+Streaming: with ``"stream_options": {"include_usage": true}`` (only allowed with ``stream: true``)
+one last chunk before ``data: [DONE]`` has ``choices: []`` and the ``usage`` of the non-streamed
+response (token counts and the ``skipdecode`` statistics); every other chunk then has
+``"usage": null``.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``: HTTP 400 with
+type ``invalid_request_error`` for a bad request (schema errors and broken JSON included, not
+FastAPI's 422), ``param`` the offending field (null when no field is to blame) and a message that
+names it; 404 for an unknown model or route; 500 with type ``server_error`` for a server fault.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import threading
 import time
 import uuid
-from typing import Any, Iterator, List, Literal, Optional, Union
+from typing import Any, Iterator, List, Literal, Mapping, Optional, Sequence, Union
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .generate import GenerationResult, stream_generate
 from .model import SkipModel
 from .sampling import SamplingParams
 
-__all__ = ["create_app", "CompletionRequest", "ChatCompletionRequest"]
+__all__ = ["create_app", "APIError", "CompletionRequest", "ChatCompletionRequest", "StreamOptions"]
+
+
+class APIError(HTTPException):
+    """An HTTP error answered in OpenAI's shape; ``param`` names the request field to blame.
+
+    ``kind`` is OpenAI's error ``type``; by default ``server_error`` for status >= 500, else
+    ``invalid_request_error``.
+    """
+
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None):
+        super().__init__(status_code=status_code, detail=message)
+        self.param = param
+        self.kind = kind or ("server_error" if status_code >= 500 else "invalid_request_error")
+
+
+def _error_body(message: str, kind: str, param: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _error_response(status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
+                    headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(_error_body(message, kind, param), status_code=status, headers=dict(headers or {}))
+
+
+def _loc_path(loc: Sequence[Union[str, int]]) -> str:
+    """A pydantic error ``loc`` as a field path (``messages[0].role``; "" for the whole body).
+
+    The ``body`` prefix and the union-member tags pydantic inserts (``prompt.str``,
+    ``stop.list[str]``: any name that is no request field) are left out.
+    """
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
+    path = ""
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            path += f".{part}" if path else part
+    return path
+
+
+def _validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
+    """(message, param) for FastAPI's request validation ``errors`` (pydantic error dicts).
+
+    The message is ``"<field>: <pydantic msg>"`` per field (a union's alternatives joined by
+    " or "), fields joined by "; "; ``param`` is the first error's field path, or None for a body
+    that is not valid JSON or not a JSON object.
+    """
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            reason = (e.get("ctx") or {}).get("error", "")
+            where = f" at character {e['loc'][-1]}" if isinstance(e["loc"][-1], int) else ""
+            return f"the request body is not valid JSON ({reason}{where})", None
+    by_path: dict[str, list[str]] = {}
+    for e in errors:
+        msgs = by_path.setdefault(_loc_path(e.get("loc", ())), [])
+        if e.get("msg", "invalid value") not in msgs:
+            msgs.append(e.get("msg", "invalid value"))
+    message = "; ".join(f"{path or 'body'}: {' or '.join(msgs)}" for path, msgs in by_path.items())
+    return message or "invalid request", next((path for path in by_path if path), None)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats (NaN: e.g. ``step_seconds`` of a run without decode
+    steps) replaced by None, which JSON can carry."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _param_in(message: str, fields: Mapping[str, str]) -> Optional[str]:
+    """The request field of the first word of ``message`` that is a key of ``fields`` (None: none).
+
+    Engine messages name the engine's argument (``speedup``, ``max_new_tokens``, ``prompts[0]``);
+    ``fields`` maps such names to the request field (``max_new_tokens`` -> ``max_tokens``).
+    """
+    for word in re.findall(r"[A-Za-z_]+", message):
+        if word in fields:
+            return fields[word]
+    return None
+
+
+_POLICY_FIELDS = {k: k for k in ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon")}
+_SAMPLING_FIELDS = {k: k for k in ("temperature", "top_k", "top_p", "seed")}
 
 
 class SkipFields(BaseModel):
@@ -34,6 +138,12 @@ class SkipFields(BaseModel):
     min_layers: Optional[int] = None
     warmup_layers: Optional[int] = None
     horizon: Optional[int] = None
+
+
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``: ``include_usage`` adds a last chunk with the request's usage."""
+
+    include_usage: bool = False
 
 
 class CommonFields(SkipFields):
@@ -47,6 +157,7 @@ class CommonFields(SkipFields):
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
+    stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
     n: int = Field(1, ge=1, le=1, description="Only n=1 is supported.")
 
 
@@ -69,6 +180,11 @@ class ChatCompletionRequest(CommonFields):
     messages: List[ChatMessage] = Field(..., min_length=1)
 
 
+_FIELD_NAMES = frozenset(
+    name for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions) for name in cls.model_fields
+)
+
+
 def _stops(stop: Optional[Union[str, List[str]]]) -> list[str]:
     if stop is None:
         return []
@@ -78,11 +194,38 @@ def _stops(stop: Optional[Union[str, List[str]]]) -> list[str]:
 def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
-    Bad request values (a bad policy, an empty prompt, a prompt longer than the context) answer
-    HTTP 400 with a message naming the field; schema errors answer 422 (FastAPI).
+    Every error answers OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``:
+    bad request values (a bad policy, an empty prompt, a prompt longer than the context, a schema
+    error, broken JSON, ``stream_options`` without ``stream``) answer HTTP 400 with ``param`` the
+    field and a message naming it; a ``model`` other than ``model_name`` answers 404; an
+    unexpected exception answers 500 (type ``server_error``).
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server")
     lock = threading.Lock()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc.errors())
+        return _error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
+                               headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_server_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette still re-raises exc after this answer, so the server logs the traceback.
+        return _error_response(500, f"the server had an error while processing the request ({type(exc).__name__})")
+
+    def check_request(req: CommonFields) -> None:
+        """Raise :class:`APIError` for an unknown ``model`` (404) or ``stream_options`` without stream (400)."""
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model: the model {req.model!r} does not exist; this server serves "
+                                f"{model_name!r}", param="model")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
     def policy_of(req: SkipFields):
         try:
@@ -95,21 +238,26 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                 )
             return model.policy
         except ValueError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from None
+            raise APIError(400, str(e), param=_param_in(str(e), _POLICY_FIELDS)) from None
 
     def sampling_of(req: CommonFields) -> SamplingParams:
         try:
             return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         except ValueError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from None
+            raise APIError(400, str(e), param=_param_in(str(e), _SAMPLING_FIELDS)) from None
+
+    def engine_param(message: str, kind: str) -> Optional[str]:
+        """The request field an engine ValueError ``message`` blames (``kind``: "chat" or "text")."""
+        prompt_field = "messages" if kind == "chat" else "prompt"
+        return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop"})
 
     def chat_prompt(messages: List[ChatMessage]) -> str:
         tok = model.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise HTTPException(status_code=400, detail="messages: this model has no chat template; use /v1/completions")
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         return tok.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True, tokenize=False)
 
-    def run(prompts: list[str], req: CommonFields):
+    def run(prompts: list[str], req: CommonFields, kind: str):
         policy, sampling = policy_of(req), sampling_of(req)
         with lock:
             try:
@@ -118,10 +266,11 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                     top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, stop=_stops(req.stop), chat=False,
                 )
             except ValueError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from None
+                raise APIError(400, str(e), param=engine_param(str(e), kind)) from None
 
     def usage(result) -> dict[str, Any]:
-        stats = result.stats()
+        """OpenAI ``usage`` (tokens) plus ``skipdecode``: the run's statistics (NaN as null)."""
+        stats = _json_safe(result.stats())
         return {
             "prompt_tokens": stats["prompt_tokens"],
             "completion_tokens": stats["new_tokens"],
@@ -130,15 +279,25 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         }
 
     def stream(prompts: list[str], req: CommonFields, kind: str) -> Iterator[str]:
+        """Server-sent events of one request: text deltas, each row's finish reason, with
+        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``."""
         policy, sampling = policy_of(req), sampling_of(req)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         with lock:
-            chunks = model.stream_generate(
-                prompts, max_new_tokens=req.max_tokens, policy=policy, temperature=sampling.temperature,
-                top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, stop=_stops(req.stop), chat=False,
+            record: dict = {}  # filled by stream_generate when it ends: the run's statistics
+            chunks = stream_generate(
+                model.adapter, model.tokenizer, prompts, policy=policy, sampling=sampling,
+                max_new_tokens=req.max_tokens, stop=_stops(req.stop), chat=False, _record=record,
             )
             obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+            def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
+                body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+                if include_usage:
+                    body["usage"] = use  # OpenAI: null on every chunk but the last
+                return "data: " + json.dumps(body) + "\n\n"
 
             def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
                 if kind == "chat":
@@ -146,8 +305,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                     choice = {"index": i, "delta": delta, "finish_reason": finish}
                 else:
                     choice = {"index": i, "text": text or "", "finish_reason": finish}
-                body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-                return "data: " + json.dumps(body) + "\n\n"
+                return sse([choice])
 
             if kind == "chat":
                 for i in range(len(prompts)):
@@ -164,8 +322,11 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                 for i in range(len(prompts)):
                     if i not in ended:
                         yield event(i, finish="length")
-            except ValueError as e:
-                yield "data: " + json.dumps({"error": {"message": str(e), "type": "invalid_request_error"}}) + "\n\n"
+                if include_usage:
+                    yield sse([], usage(GenerationResult.from_record(record, model.num_layers, policy)))
+            except ValueError as e:  # headers are sent: the error travels as an event
+                err = _error_body(str(e), "invalid_request_error", engine_param(str(e), kind))
+                yield "data: " + json.dumps(err) + "\n\n"
         yield "data: [DONE]\n\n"
 
     def reason(r: str) -> str:
@@ -177,17 +338,28 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "skipdecode"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "owned_by": "skipdecode"}
+
+    @app.get("/v1/models/{model_id}")
+    def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"model: the model {model_id!r} does not exist; this server serves "
+                                f"{model_name!r}", param="model")
+        return model_card()
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest):
+        check_request(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         if not prompts:
-            raise HTTPException(status_code=400, detail="prompt: must hold at least one string")
+            raise APIError(400, "prompt: must hold at least one string", param="prompt")
         if req.stream:
             policy_of(req), sampling_of(req)  # validate before the stream starts
             return StreamingResponse(stream(prompts, req, "text"), media_type="text/event-stream")
-        result = run(prompts, req)
+        result = run(prompts, req, "text")
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}",
             "object": "text_completion",
@@ -202,11 +374,12 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     @app.post("/v1/chat/completions")
     def chat_completions(req: ChatCompletionRequest):
+        check_request(req)
         prompt = chat_prompt(req.messages)
         if req.stream:
             policy_of(req), sampling_of(req)
             return StreamingResponse(stream([prompt], req, "chat"), media_type="text/event-stream")
-        result = run([prompt], req)
+        result = run([prompt], req, "chat")
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
             "object": "chat.completion",

@@ -981,7 +981,8 @@ def train(
     Raises:
         TrainConfigError: settings that do not fit the model or the data (``.field`` names it),
             e.g. a speedup too high for the layer count, ``out_dir`` holding another run's
-            checkpoints without ``resume``, or a resume whose settings differ from the checkpoint's.
+            checkpoints without ``resume`` or a finished model (``final/``) with no checkpoint to
+            resume from, or a resume whose settings differ from the checkpoint's.
         skipdecode.data.DataError: the data cannot be read, or no example fits ``max_length``.
         skipdecode.loading.LoadError: ``model`` cannot be loaded.
     """
@@ -1021,8 +1022,11 @@ def train(
     existing = _checkpoints(out_dir)
     if config.resume:
         ckpt = latest_checkpoint(out_dir)
+        if ckpt is None and (out_dir / "final").exists():
+            raise TrainConfigError("resume", f"{out_dir} holds a finished model ({out_dir / 'final'}) but no "
+                                             "checkpoint to resume from; choose another directory to train again")
         if ckpt is None:
-            log.info("resume: no checkpoint in %s, starting fresh", out_dir)
+            log.warning("resume: no checkpoint in %s, starting a fresh run", out_dir)
         else:
             saved = json.loads((ckpt / _STATE_DIR / "state.json").read_text())
             if saved.get("num_processes", 1) != world:
@@ -1036,6 +1040,9 @@ def train(
     elif existing:
         raise TrainConfigError("out_dir", f"{out_dir} already holds checkpoints ({existing[-1][1].name}); "
                                           "pass resume to continue that run or choose another directory")
+    elif (out_dir / "final").exists():
+        raise TrainConfigError("out_dir", f"{out_dir} already holds a finished model ({out_dir / 'final'}); "
+                                          "choose another directory (or remove it) to train again")
 
     # ---- data ---------------------------------------------------------------------------
     examples, data_info = _as_examples(data, config, "data")
