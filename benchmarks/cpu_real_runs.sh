@@ -36,7 +36,7 @@ if [ "$EVAL" = 1 ]; then
     --name eval_e2e_longer --frontier 1x:full --frontier 2x-150:checkpoint --frontier 3x:checkpoint --frontier 5x:checkpoint
   log "evaluated E2E"
   python benchmarks/eval_e2e.py --ckpt 1x=runs/e2e-1x/final --no-stock --calm-threshold 0.9 --batch-size 1 \
-    ${CALM_LIMIT:+--limit $CALM_LIMIT} --name eval_e2e_calm --no-progress
+    ${CALM_LIMIT:+--limit $CALM_LIMIT} --name eval_e2e_calm${CALM_LIMIT:-630} --no-progress
   log "evaluated CALM"
   python benchmarks/eval_e2e.py --task cnndm --ckpt 2x=runs/e2e-2x/final --batch-size 16 --sort-by-length --no-progress
   log "evaluated CNN/DM"
