@@ -266,3 +266,37 @@ def test_serve_on_a_busy_port_fails_at_once_with_one_line(runner, tmp_path):
     message = squash(res.output)
     assert "--port" in message and str(port) in message and "no_such_model" not in message, res.output
     assert "Traceback" not in res.output
+
+
+def test_error_messages_print_brackets_verbatim(runner, tmp_path):
+    """Messages are printed as text, not rich markup: a path (or an E2E MR) with brackets is shown
+    as is; '[/f]' would otherwise be read as a closing tag and crash the error report itself."""
+    missing = tmp_path / "d[" / "f][bold].txt"
+    res = invoke(runner, ["bench", "--prompts-file", str(missing), "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert str(missing) in squash(res.output), res.output
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [(["generate", "hi", "--speedup", "abc"], "--speedup"), (["train", "--data", "x.csv"], "--out"),
+     (["generate", "hi", "--no-such-flag"], "--no-such-flag")],
+)
+def test_console_entry_point_usage_errors_are_one_line(capsys, args, option):
+    """Errors click finds before our code runs (bad type, missing option, unknown flag) leave the
+    ``skipdecode`` command as one ``error:`` line naming the option, exit code 2."""
+    from skipdecode.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and option in lines[0], lines
+
+
+def test_console_entry_point_success_and_help_exit_0(capsys):
+    from skipdecode.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0 and "generate" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     help="SkipDecode (arXiv 2307.02628): batch- and KV-cache-compatible layer skipping for fast decoding.",
@@ -30,7 +31,7 @@ def fail(message: str, code: int = 2) -> None:
     Raises:
         typer.Exit: always, with ``code`` (2 for bad input, as the README says).
     """
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # paths, MRs hold brackets
     raise typer.Exit(code)
 
 
@@ -197,7 +198,7 @@ def generate(
         f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok | new {s['new_tokens']} tok | "
         f"TTFT {s['prefill_seconds'] * 1000:.0f} ms | step {s['step_seconds'] * 1000:.1f} ms | "
         f"{s['tokens_per_second']:.1f} tok/s | mean active layers {s['mean_active_layers']:.2f}/{s['num_layers']} | "
-        f"theoretical speedup {s['theoretical_speedup']:.2f}x | policy {s['policy']}[/]",
+        f"theoretical speedup {s['theoretical_speedup']:.2f}x | policy {escape(str(s['policy']))}[/]",
         highlight=False,
     )
 
@@ -263,7 +264,7 @@ def eval_command(
     except (DataError, ValueError) as e:
         fail(str(e))
     if getattr(items, "n_skipped", 0):
-        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {data}[/]", highlight=False)
+        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {escape(str(data))}[/]", highlight=False)
     try:
         items = select_items(items, offset, limit, str(data))
     except ValueError as e:
@@ -297,7 +298,7 @@ def eval_command(
     except OSError as e:
         fail(f"cannot write the report to {out_dir}: {e}")
     print(report.to_markdown(), flush=True)  # plain print: rich would re-wrap the table's lines
-    err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False, markup=False)
 
 
 @app.command()
@@ -385,7 +386,7 @@ def train(
         highlight=False,
     )
     err.print(f"model written to {result.final_dir}  (try: skipdecode generate --model {result.final_dir} ...)",
-              highlight=False)
+              highlight=False, markup=False)
     summary = {k: v for k, v in result.to_dict().items() if k not in ("train_log", "val_log", "config")}
     summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
     summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
@@ -451,7 +452,7 @@ def bench(
     sk = load_model(model, device, dtype)
 
     def progress(msg: str) -> None:
-        err.print(f"[dim]{msg}[/]", highlight=False)
+        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
 
     try:
         result = B.run_benchmark(
@@ -480,7 +481,7 @@ def bench(
                    f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
                    else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup)")
     err.print(
-        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {path}[/]",
+        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {escape(str(path))}[/]",
         highlight=False,
     )
     print(json.dumps(result), flush=True)
@@ -532,13 +533,35 @@ def serve(
 
     from .server import create_app
 
-    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})")
+    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     uvicorn.run(create_app(sk, name), host=host, port=port, log_level="info")
 
 
-def main() -> None:
-    """Console entry point (``skipdecode``)."""
-    app()
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point (``skipdecode``).
+
+    Usage errors that click itself detects (an unknown option, ``--speedup abc``, a missing
+    required option) are printed as one ``error:`` line naming the option, like the command's
+    own errors, instead of click/rich's framed usage box.
+
+    Raises:
+        SystemExit: always, with the command's exit code (2 for bad input).
+    """
+    from typer.exceptions import TyperException  # base of the (vendored) click exceptions
+
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except typer.Abort:
+        err.print("aborted", markup=False)
+        raise SystemExit(1) from None
+    except TyperException as e:
+        if not hasattr(e, "format_message"):
+            raise
+        ctx = getattr(e, "ctx", None)  # usage errors carry the command: point to its --help
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False)
+        raise SystemExit(getattr(e, "exit_code", 2)) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
