@@ -113,6 +113,17 @@ def make_chain_model(tokenizer, prompt: str, text: str, num_layers: int = 6):
     return model
 
 
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids (B, P) and attention mask (B, P) for token lists of any lengths."""
+    P = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, P - len(s) :] = torch.tensor(s)
+        mask[i, P - len(s) :] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

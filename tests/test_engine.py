@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import VOCAB, make_config, make_model
+from conftest import VOCAB, left_pad, make_config, make_model
 from skipdecode import (
     FullPolicy,
     LinearDecayPolicy,
@@ -57,16 +57,6 @@ def prompts(lengths=PROMPT_LENS, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # ids >= 5 avoid every special id (pad/bos/eos of all families)
     return [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, P - len(s) :] = torch.tensor(s)
-        mask[i, P - len(s) :] = 1
-    return ids, mask
 
 
 def run(adapter, ids, mask, policy=None, n=N_NEW, pad=0):

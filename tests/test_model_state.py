@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import skipdecode
-from conftest import make_model, make_tokenizer
+from conftest import left_pad, make_model, make_tokenizer
 from skipdecode import LinearDecayPolicy, generate_step
 from skipdecode.adapters import get_adapter
 from skipdecode.data import Example
@@ -29,16 +29,6 @@ from skipdecode.train import TrainConfig, train
 NUM_LAYERS = 6
 SKIP = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
 PROMPT_IDS = [[11, 40, 7, 93, 150], [60, 61], [200, 17, 5]]
-
-
-def left_pad(seqs, pad):
-    P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, P - len(s):] = torch.tensor(s)
-        mask[i, P - len(s):] = 1
-    return ids, mask
 
 
 def configs(model) -> tuple[dict, dict]:
