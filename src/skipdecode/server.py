@@ -51,7 +51,12 @@ class APIError(HTTPException):
     def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None):
         super().__init__(status_code=status_code, detail=message)
         self.param = param
-        self.kind = kind or ("server_error" if status_code >= 500 else "invalid_request_error")
+        self.kind = kind or _default_kind(status_code)
+
+
+def _default_kind(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status: ``server_error`` from 500, else ``invalid_request_error``."""
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def _error_body(message: str, kind: str, param: Optional[str] = None) -> dict[str, Any]:
@@ -61,7 +66,7 @@ def _error_body(message: str, kind: str, param: Optional[str] = None) -> dict[st
 
 def _error_response(status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
                     headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
-    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    kind = kind or _default_kind(status)
     return JSONResponse(_error_body(message, kind, param), status_code=status, headers=dict(headers or {}))
 
 
@@ -219,11 +224,14 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         # Starlette still re-raises exc after this answer, so the server logs the traceback.
         return _error_response(500, f"the server had an error while processing the request ({type(exc).__name__})")
 
+    def unknown_model(name: str) -> APIError:
+        return APIError(404, f"model: the model {name!r} does not exist; this server serves {model_name!r}",
+                        param="model")
+
     def check_request(req: CommonFields) -> None:
         """Raise :class:`APIError` for an unknown ``model`` (404) or ``stream_options`` without stream (400)."""
         if req.model is not None and req.model != model_name:
-            raise APIError(404, f"model: the model {req.model!r} does not exist; this server serves "
-                                f"{model_name!r}", param="model")
+            raise unknown_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
@@ -346,8 +354,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
     @app.get("/v1/models/{model_id}")
     def retrieve_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise APIError(404, f"model: the model {model_id!r} does not exist; this server serves "
-                                f"{model_name!r}", param="model")
+            raise unknown_model(model_id)
         return model_card()
 
     @app.post("/v1/completions")
