@@ -116,7 +116,7 @@ def test_sliding_window_matches_hf():
             if p.ndim >= 2:
                 p.normal_(0, 0.15)
     adapter = get_adapter(model)
-    assert adapter.sliding_window == 4
+    assert adapter.layer_windows == (4,) * NUM_LAYERS
     ids, mask = left_pad(prompts([9, 5]), 0)
     steps = run(adapter, ids, mask, None, 6, 0)
     with torch.no_grad():
