@@ -429,16 +429,36 @@ def test_unknown_architecture_tiny_bert(tokenizer):
         SkipModel(bert, tokenizer)
 
 
-def test_context_overflow_raises(family):
+@pytest.mark.parametrize("prompt_len", [256, 250])
+def test_context_boundary_equals_hf(family, prompt_len):
+    """P + N - 1 positions are needed (the last new token is never fed back, issue 13 item 6):
+    a prompt filling all 256 positions gets 1 token and 250 + 7 fits, exactly as HF generate
+    returns them; one token more is refused with an error naming max_new_tokens."""
     model, adapter = model_and_adapter(family)
     limit = 256  # conftest: max_position_embeddings / n_positions
-    ids = torch.full((1, limit - 5), 7)
+    fits = limit - prompt_len + 1
+    ids = torch.tensor(prompts([prompt_len], seed=4))
     mask = torch.ones_like(ids)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        next(generate_step(adapter, ids, mask, max_new_tokens=6))
-    # exactly at the limit is allowed (and positions stay inside the table)
-    out = next(generate_step(adapter, ids, mask, max_new_tokens=5))
-    assert torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match=f"max_new_tokens <= {fits} fits"):
+        next(generate_step(adapter, ids, mask, max_new_tokens=fits + 1))
+    steps = run(adapter, ids, mask, None, fits, pad_id(model))
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=fits, do_sample=False, eos_token_id=None,
+                             pad_token_id=pad_id(model), output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(tokens_of(steps), ref.sequences[:, prompt_len:])
+    torch.testing.assert_close(logits_of(steps), torch.stack(ref.logits, 1), rtol=0, atol=1e-4)
+
+
+def test_context_check_is_shared_by_the_calm_baseline():
+    """The CALM baseline uses the same rule (one check, Adapter.check_context)."""
+    from skipdecode.calm import CalmConfig, calm_generate_ids
+
+    _, adapter = model_and_adapter("llama")
+    ids = torch.tensor(prompts([256], seed=4))
+    out = calm_generate_ids(adapter, ids, torch.ones_like(ids), CalmConfig(threshold=1.0), max_new_tokens=1)
+    assert len(out["token_ids"]) == 1
+    with pytest.raises(ValueError, match="max_new_tokens <= 1 fits"):
+        calm_generate_ids(adapter, ids, torch.ones_like(ids), CalmConfig(threshold=1.0), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])

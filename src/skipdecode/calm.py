@@ -177,11 +177,7 @@ def calm_generate_ids(
     L = adapter.num_layers
     if config.min_layers > L:
         raise ValueError(f"min_layers must be <= the model's {L} layers, got {config.min_layers}")
-    if adapter.max_positions is not None and P + max_new_tokens > adapter.max_positions:
-        raise ValueError(
-            f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of "
-            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens"
-        )
+    adapter.check_context(P, max_new_tokens)
     device = input_ids.device
     eos = set(int(i) for i in eos_token_ids)
     if cache is None:

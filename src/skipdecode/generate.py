@@ -91,8 +91,9 @@ def generate_step(
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
 
     Raises:
-        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens``
-            longer than the model's context (``max_position_embeddings``).
+        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens`` - 1
+            longer than the model's context (``max_position_embeddings``; see
+            :meth:`Adapter.check_context`).
     """
     if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -104,11 +105,7 @@ def generate_step(
     B, P = input_ids.shape
     if B == 0 or P == 0:
         raise ValueError("input_ids must hold at least one prompt of at least one token")
-    if adapter.max_positions is not None and P + max_new_tokens > adapter.max_positions:
-        raise ValueError(
-            f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of "
-            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens"
-        )
+    adapter.check_context(P, max_new_tokens)
     policy = policy or FullPolicy(adapter.num_layers)
     if policy.num_layers != adapter.num_layers:
         raise ValueError(

@@ -142,6 +142,28 @@ class Adapter:
         out = self.layers[layer_idx](hidden, attention_mask=attention_mask, use_cache=cache is not None, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a generation whose positions do not fit the model's context.
+
+        A prompt of P tokens and N new tokens need ``P + N - 1`` positions: the last generated
+        token is never fed back, so HF's ``generate`` returns 1 token for a prompt that fills the
+        whole context. ``prompt_tokens`` is P (the padded batch width, tokens); ``max_new_tokens``
+        is N (tokens).
+
+        Raises:
+            ValueError: ``P + N - 1 > max_positions``; the message names ``max_new_tokens`` and
+                the largest value that fits.
+        """
+        needed = prompt_tokens + max_new_tokens - 1
+        if self.max_positions is not None and needed > self.max_positions:
+            fits = self.max_positions - prompt_tokens + 1
+            hint = f"max_new_tokens <= {fits} fits" if fits >= 1 else "shorten the prompt"
+            raise ValueError(
+                f"prompt length {prompt_tokens} + max_new_tokens {max_new_tokens} needs {needed} positions "
+                f"(the last new token is never fed back), more than the model's context of "
+                f"{self.max_positions}; {hint}"
+            )
+
     @property
     def kv_shape(self) -> tuple[int, int]:
         """(num_key_value_heads, head_dim) of every layer's cache entries."""
