@@ -448,7 +448,7 @@ def bench(
             fail(f"--device {device}: CUDA is not available on this machine")
     import torch
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
     sk = load_model(model, device, dtype)
 
     def progress(msg: str) -> None:

@@ -116,7 +116,8 @@ class SkipModel:
             raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
         horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
-            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=fields.get("warmup_layers") or 1)
+            warmup = fields.get("warmup_layers")  # 0 is a value (no warm-up), only None means "default"
+            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
         given = {k: v for k, v in fields.items() if v is not None}
         # an explicit horizon alone re-times a linear-decay default instead of being ignored
         if given or (horizon_given and isinstance(self.policy, LinearDecayPolicy)):
