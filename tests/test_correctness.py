@@ -79,3 +79,65 @@ def test_speedup_with_warmup_zero_keeps_zero_server(client):
     resp = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "speedup": 2, "warmup_layers": 0})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["skipdecode"]["policy"]["warmup_layers"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# item 5: all JSON the project writes is strict JSON
+# --------------------------------------------------------------------------------------------
+
+
+def test_jsonio_maps_every_non_finite_float_to_null():
+    from skipdecode.jsonio import dumps
+
+    value = {"a": float("nan"), "b": [1.5, float("inf"), (float("-inf"), 2)], "c": {"d": float("nan")}, "e": "NaN"}
+    assert strict_json(dumps(value)) == {"a": None, "b": [1.5, None, [None, 2]], "c": {"d": None}, "e": "NaN"}
+
+
+def test_cli_json_of_a_one_token_run_is_strict(model_dir):
+    """``generate --json -n 1`` has no decode step: step_seconds has no value and is null."""
+    stats = cli(model_dir, "-n", "1")["stats"]
+    assert stats["decode_steps"] == 0 and stats["step_seconds"] is None
+
+
+def test_written_records_are_strict(tmp_path):
+    """Checkpoint configs, run records and benchmark results all go through write_json_atomic;
+    evaluation reports through EvalReport.save: both write null for NaN."""
+    from skipdecode.model import write_json_atomic
+
+    path = tmp_path / "record.json"
+    write_json_atomic(path, {"loss": float("nan"), "rows": [{"tokens_per_second": float("inf")}]})
+    assert strict_json(path.read_text()) == {"loss": None, "rows": [{"tokens_per_second": None}]}
+
+
+def test_eval_report_with_nan_statistics_is_strict(tmp_path):
+    from skipdecode.evaluate import EvalRow, Report
+
+    row = EvalRow(model="m", policy="full", policy_config={"type": "full", "num_layers": 6}, description="full",
+                  kind="skipdecode", reference=True, reference_policy="full", batch_size=1, num_layers=6)
+    report = Report(rows=[row], items=[], meta={"ratio": float("nan")})  # row speed statistics: NaN
+    paths = report.save(tmp_path, "report")
+    data = strict_json(paths["json"].read_text())
+    assert data["meta"]["ratio"] is None and data["rows"][0]["step_seconds"] is None
+
+
+def test_server_responses_and_stream_events_are_strict(client):
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200
+    assert strict_json(resp.text)["usage"]["skipdecode"]["step_seconds"] is None
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream) as r:
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert strict_json(events[-1])["usage"]["skipdecode"]["step_seconds"] is None
+    for event in events:
+        strict_json(event)
+
+
+def test_server_response_class_is_strict(sk):
+    """Every server response (routes and errors) is rendered by one strict response class: a
+    non-finite float anywhere in a body is null, never a bare NaN or a 500 from the renderer."""
+    from skipdecode.server import StrictJSONResponse
+
+    body = StrictJSONResponse({"a": float("nan"), "b": [float("inf")]}).body
+    assert strict_json(body.decode()) == {"a": None, "b": [None]}
+    assert create_app(sk, "tiny").router.default_response_class is StrictJSONResponse

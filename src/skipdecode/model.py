@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -11,6 +10,7 @@ from typing import Any, Iterator, Sequence
 
 from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
+from .jsonio import dump
 from .policy import FullPolicy, SkipPolicy, for_speedup
 from .sampling import SamplingParams
 
@@ -42,12 +42,18 @@ def apply_umask(path: str | os.PathLike) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename),
-    with the mode a plain ``open`` would give it (:func:`apply_umask`)."""
+    """Write ``data`` as strict JSON (non-finite floats as null, :mod:`skipdecode.jsonio`) to
+    ``path`` atomically (temp file in the same folder + rename), with the mode a plain ``open``
+    would give it (:func:`apply_umask`).
+
+    Raises:
+        OSError: the folder cannot be written.
+        TypeError: ``data`` holds an object JSON cannot represent.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
+        dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
     apply_umask(tmp)
     os.replace(tmp, path)

@@ -20,8 +20,6 @@ names it; 404 for an unknown model or route; 500 with type ``server_error`` for 
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import threading
 import time
@@ -35,6 +33,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import GenerationResult, stream_generate
+from .jsonio import dumps, json_safe
 from .model import SkipModel
 from .sampling import SamplingParams
 
@@ -67,7 +66,7 @@ def _error_body(message: str, kind: str, param: Optional[str] = None) -> dict[st
 def _error_response(status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
                     headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
     kind = kind or _default_kind(status)
-    return JSONResponse(_error_body(message, kind, param), status_code=status, headers=dict(headers or {}))
+    return StrictJSONResponse(_error_body(message, kind, param), status_code=status, headers=dict(headers or {}))
 
 
 def _loc_path(loc: Sequence[Union[str, int]]) -> str:
@@ -107,16 +106,13 @@ def _validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optio
     return message or "invalid request", next((path for path in by_path if path), None)
 
 
-def _json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats (NaN: e.g. ``step_seconds`` of a run without decode
-    steps) replaced by None, which JSON can carry."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
+class StrictJSONResponse(JSONResponse):
+    """Every JSON response of the server, rendered by :func:`skipdecode.jsonio.dumps` (strict
+    JSON: a non-finite float such as ``step_seconds`` of a run without decode steps is null)."""
+
+    def render(self, content: Any) -> bytes:
+        """``content`` as compact strict JSON bytes (UTF-8)."""
+        return dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _param_in(message: str, fields: Mapping[str, str]) -> Optional[str]:
@@ -205,7 +201,8 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
     field and a message naming it; a ``model`` other than ``model_name`` answers 404; an
     unexpected exception answers 500 (type ``server_error``).
     """
-    app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server")
+    app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
+                  default_response_class=StrictJSONResponse)
     lock = threading.Lock()
 
     @app.exception_handler(RequestValidationError)
@@ -215,7 +212,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
         return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
                                headers=exc.headers)
 
@@ -278,7 +275,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     def usage(result) -> dict[str, Any]:
         """OpenAI ``usage`` (tokens) plus ``skipdecode``: the run's statistics (NaN as null)."""
-        stats = _json_safe(result.stats())
+        stats = json_safe(result.stats())
         return {
             "prompt_tokens": stats["prompt_tokens"],
             "completion_tokens": stats["new_tokens"],
@@ -305,7 +302,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                 body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
                 if include_usage:
                     body["usage"] = use  # OpenAI: null on every chunk but the last
-                return "data: " + json.dumps(body) + "\n\n"
+                return "data: " + dumps(body) + "\n\n"
 
             def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
                 if kind == "chat":
@@ -334,7 +331,7 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
                     yield sse([], usage(GenerationResult.from_record(record, model.num_layers, policy)))
             except ValueError as e:  # headers are sent: the error travels as an event
                 err = _error_body(str(e), "invalid_request_error", engine_param(str(e), kind))
-                yield "data: " + json.dumps(err) + "\n\n"
+                yield "data: " + dumps(err) + "\n\n"
         yield "data: [DONE]\n\n"
 
     def reason(r: str) -> str:
