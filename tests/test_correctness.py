@@ -141,3 +141,80 @@ def test_server_response_class_is_strict(sk):
     body = StrictJSONResponse({"a": float("nan"), "b": [float("inf")]}).body
     assert strict_json(body.decode()) == {"a": None, "b": [None]}
     assert create_app(sk, "tiny").router.default_response_class is StrictJSONResponse
+
+
+# --------------------------------------------------------------------------------------------
+# item 3: numerically degenerate sampling settings decode greedily, on every path
+# --------------------------------------------------------------------------------------------
+
+# far below float32's range (overflows logits / T for |logits| > 3.4), the smallest double
+# (0 in float32: logits / T is inf everywhere), just under the threshold
+TINY_TEMPERATURES = [1e-38, 5e-324, 1e-6]
+
+
+@pytest.fixture(scope="module")
+def sharp_sk(tokenizer):
+    """Random tiny llama with logits of real-model size (tens): logits / 1e-38 overflow."""
+    import torch
+
+    model = make_model("llama", NUM_LAYERS, seed=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return SkipModel(model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory, sharp_sk):
+    path = tmp_path_factory.mktemp("ckpt") / "sharp"
+    sharp_sk.save_pretrained(path)
+    return path
+
+
+def test_sharp_model_overflows_a_tiny_temperature(sharp_sk):
+    """The fixture is sharp enough that dividing its logits by 1e-38 leaves float32's range."""
+    import torch
+
+    ids, mask = sharp_sk.tokenizer(PROMPT, return_tensors="pt").values()
+    with torch.no_grad():
+        logits = sharp_sk.model(input_ids=ids).logits[0, -1]
+    assert not torch.isfinite(logits / 1e-38).all()
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_tiny_temperature_is_greedy_api(sharp_sk, temperature):
+    from skipdecode.sampling import GREEDY_TEMPERATURE, SamplingParams
+
+    assert temperature < GREEDY_TEMPERATURE and SamplingParams(temperature=temperature).greedy
+    greedy = sharp_sk.generate(PROMPT, max_new_tokens=12)
+    tiny = sharp_sk.generate(PROMPT, max_new_tokens=12, temperature=temperature, seed=3)
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_threshold_temperature_samples(sharp_sk):
+    """At the threshold itself sampling is on, and logits / 1e-5 stay finite for real logits."""
+    from skipdecode.sampling import GREEDY_TEMPERATURE, SamplingParams
+
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    out = sharp_sk.generate(PROMPT, max_new_tokens=12, temperature=GREEDY_TEMPERATURE, seed=3)
+    assert len(out.token_ids[0]) == 12
+
+
+@pytest.mark.parametrize("temperature", ["1e-38", "5e-324"])
+def test_tiny_temperature_is_greedy_cli(sharp_dir, temperature):
+    greedy = cli(sharp_dir, "-n", "12")
+    tiny = cli(sharp_dir, "-n", "12", "--temperature", temperature, "--seed", "3")
+    assert tiny["token_ids"] == greedy["token_ids"]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324])
+def test_tiny_temperature_is_greedy_server(sharp_sk, temperature):
+    client = TestClient(create_app(sharp_sk, "tiny"))
+    body = {"prompt": PROMPT, "max_tokens": 12}
+    greedy = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    tiny = client.post("/v1/completions", json={**body, "temperature": temperature, "seed": 3})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy
+    with client.stream("POST", "/v1/completions", json={**body, "temperature": temperature, "stream": True}) as r:
+        deltas = [json.loads(ln[6:])["choices"][0]["text"] for ln in r.iter_lines()
+                  if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert "".join(deltas) == greedy

@@ -116,7 +116,7 @@ def generate(
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (same seed, same tokens)."),
