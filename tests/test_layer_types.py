@@ -158,3 +158,19 @@ def test_unknown_layer_type_is_refused():
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     with pytest.raises(UnsupportedArchitectureError, match="chunked_attention"):
         get_adapter(model)
+
+
+def test_calm_baseline_uses_each_layers_window():
+    """The CALM baseline's own token loop picks each layer's mask too: at full depth (threshold
+    1: never exit) it reproduces HF greedy decoding of a Qwen2 with per-layer windows."""
+    from skipdecode.calm import CalmConfig, calm_generate_ids
+
+    model, _ = build("qwen2_max_window_layers")
+    adapter = get_adapter(model)
+    ids = torch.tensor(prompts((11,)))
+    mask = torch.ones_like(ids)
+    out = calm_generate_ids(adapter, ids, mask, CalmConfig(threshold=1.0), max_new_tokens=8)
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert out["token_ids"] == hf[0, ids.shape[1]:].tolist()
