@@ -418,3 +418,10 @@ def test_real_server_with_the_openai_client(served_bos, bos_sk):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, logprobs=True)
     assert e.value.body["param"] == "logprobs"
+
+
+def test_cli_names_a_seed_out_of_range():
+    res = CliRunner().invoke(cli_app, ["generate", "x", "--seed", str(2**70), "--temperature", "1"],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    assert "seed" in res.output and "Traceback" not in res.output
