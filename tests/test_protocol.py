@@ -131,7 +131,8 @@ def test_token_id_prompts_are_used_as_given(client, sk):
 @pytest.mark.parametrize(
     "prompt, param, words",
     [([5, 9999], "prompt", ["prompt[1]", "token id", "9999"]), ([[5], [-1]], "prompt[1]", ["token id"]),
-     ([], "prompt", ["at least one"]), ([[5], []], "prompt[1]", ["non-empty"]), (["ok", " "], "prompt[1]", ["non-empty"])],
+     ([], "prompt", ["at least one"]), ([[5], []], "prompt[1]", ["non-empty"]),
+     (["ok", " "], "prompt[1]", ["non-empty"])],
 )
 def test_bad_prompts_name_the_prompt(client, prompt, param, words):
     assert_400(post(client, "/v1/completions", {"prompt": prompt}), param, *words)
@@ -155,7 +156,7 @@ def test_every_field_of_the_openai_types_is_handled():
         return {k for t in types for k in t.__annotations__}
 
     def handled(model, place: str) -> set[str]:
-        return set(model.model_fields) | set(UNSUPPORTED_FIELDS[place]) | IGNORED_FIELDS
+        return set(model.model_fields) | set(UNSUPPORTED_FIELDS[place]) | IGNORED_FIELDS[place]
 
     completion = keys(cp.CompletionCreateParamsNonStreaming, cp.CompletionCreateParamsStreaming)
     chat = keys(ccp.CompletionCreateParamsNonStreaming, ccp.CompletionCreateParamsStreaming)
@@ -260,7 +261,8 @@ def test_unknown_fields_are_refused_by_name(client, path, body, param):
 @pytest.mark.parametrize(
     "messages, param, words",
     [
-        ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]}],
+        ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                       {"type": "image_url", "image_url": {"url": "u"}}]}],
          "messages[0].content[1].type", ["image_url"]),
         ([MSGS[0], {"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[1].role", ["tool"]),
         ([MSGS[0], {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}],
@@ -322,7 +324,8 @@ def test_top_p_zero_is_greedy_and_temperature_two_is_allowed(client):
     zero = post(client, "/v1/completions", {"prompt": "The Eagle is", "max_tokens": 5, "temperature": 1.0,
                                             "top_p": 0}).json()["choices"]
     assert zero == greedy
-    assert post(client, "/v1/completions", {"prompt": "The", "max_tokens": 2, "temperature": 2, "seed": 1}).status_code == 200
+    hot = {"prompt": "The", "max_tokens": 2, "temperature": 2, "seed": 1}
+    assert post(client, "/v1/completions", hot).status_code == 200
 
 
 def context_request(sk, prompt_len: int, **fields) -> CompletionRequest:
@@ -410,7 +413,8 @@ def test_real_server_with_the_openai_client(served_bos, bos_sk):
     # token-id prompts and our fields through extra_body
     text_ids = bos_sk.tokenizer("The Eagle is")["input_ids"]
     policy = bos_sk.policy_for(speedup=2, horizon=4)
-    comp = client.completions.create(model="tiny", prompt=text_ids, max_tokens=4, extra_body={"speedup": 2, "horizon": 4})
+    comp = client.completions.create(model="tiny", prompt=text_ids, max_tokens=4,
+                                     extra_body={"speedup": 2, "horizon": 4})
     assert comp.choices[0].text == bos_sk.generate(["The Eagle is"], max_new_tokens=4, policy=policy).texts[0]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, seed=2**70)

@@ -99,11 +99,16 @@ def bad(param: str, problem: str) -> APIError:
 
 
 # ------------------------------------------------------------------------------- field tables
-#: Fields accepted and ignored because they cannot change the answer (identifiers, cache hints).
-IGNORED_FIELDS = frozenset({
-    "user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "parallel_tool_calls", "prompt_cache_breakpoint",
-})
+#: Fields accepted and ignored, per place, because they cannot change the answer (identifiers,
+#: cache hints, tool-call settings without tools).
+IGNORED_FIELDS: dict[str, frozenset[str]] = {
+    "completion": frozenset({"user"}),
+    "chat": frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                       "prompt_cache_options", "parallel_tool_calls"}),
+    "message": frozenset(),
+    "stream_options": frozenset(),
+    "part": frozenset({"prompt_cache_breakpoint"}),
+}
 
 _PENALTIES = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {})}
 #: OpenAI fields this server does not implement, per place, with the values that do not ask for
@@ -144,7 +149,7 @@ def _check_extras(extras: Optional[Mapping[str, Any]], place: str, prefix: str =
     table = UNSUPPORTED_FIELDS[place]
     for name, value in (extras or {}).items():
         path = f"{prefix}{name}"
-        if name in IGNORED_FIELDS:
+        if name in IGNORED_FIELDS[place]:
             continue
         if name in table:
             if not _neutral(value, table[name]):
