@@ -12,6 +12,7 @@ from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
 from .policy import FullPolicy, SkipPolicy, for_speedup
+from .prompts import Prompt
 from .sampling import SamplingParams
 
 __all__ = ["SkipModel", "SKIP_CONFIG_NAME", "apply_umask", "write_json_atomic"]
@@ -159,7 +160,7 @@ class SkipModel:
 
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[Prompt],
         *,
         max_new_tokens: int = 64,
         policy: SkipPolicy | None = None,
@@ -170,7 +171,9 @@ class SkipModel:
         stop: Sequence[str] = (),
         chat: bool | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`).
+        """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
+        prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
+        token ids, encoded by :func:`skipdecode.prompts.encode_prompt`.
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field).
@@ -186,7 +189,7 @@ class SkipModel:
 
     def stream_generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[Prompt],
         *,
         max_new_tokens: int = 64,
         policy: SkipPolicy | None = None,

@@ -37,7 +37,8 @@ class SamplingParams:
             1e-5 on, samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0: no limit).
         top_p: nucleus sampling mass in (0, 1] (1: no limit).
-        seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens.
+        seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens;
+            an integer in [-2**63, 2**64 - 1], the range ``torch.Generator.manual_seed`` takes.
 
     Raises:
         ValueError: a field is out of range (the message names it).
@@ -55,8 +56,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):  # torch.Generator.manual_seed's range
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
