@@ -71,6 +71,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--distill", action="store_true", help="train on the full-depth model's greedy answers")
     p.add_argument("--kl-weight", type=float, default=0.0)
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="backpropagate through the prompt; --no-prompt-grad runs it under no_grad (same loss, faster)")
+    p.add_argument("--teacher-forcing", default="sparse", choices=["sparse", "masked"],
+                   help="sparse: each layer runs only on the positions that need it; masked: every position (same values)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             max_val_examples=args.max_val_examples, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, lora_r=args.lora_r, distill=args.distill,
             kl_weight=args.kl_weight, gradient_checkpointing=args.grad_checkpointing, device=args.device,
-            bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress, **schedule,
+            bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress,
+            prompt_grad=args.prompt_grad, teacher_forcing=args.teacher_forcing, **schedule,
         )
         sk = skipdecode.load(args.model)
         result = train(sk, data, config)
