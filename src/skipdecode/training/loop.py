@@ -82,6 +82,10 @@ class _Run:
                                        kwargs_handlers=self._ddp_kwargs())
         self.main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched != self.world:  # e.g. an earlier PartialState() fixed a non-distributed state
+            raise RuntimeError(f"launched with WORLD_SIZE={launched} but Accelerate runs {self.world} process(es): "
+                               "the processes would train independently")
         self.ckpt, self.saved = ck.find_resume_checkpoint(self.out_dir, config, self.world)
         self.train_log: list[dict] = []
         self.val_log: list[dict] = []
@@ -219,7 +223,13 @@ class _Run:
         """Forward, backward and optimizer step; returns (ce, kl, tokens, targets) summed over processes."""
         acc, c = self.accelerator, self.config
         micro = self.micro_batches(step)
-        n_targets_local = sum(sum(len(x.response_ids) for x in items) for items in micro)
+        n_targets = torch.tensor(float(sum(sum(len(x.response_ids) for x in items) for items in micro)),
+                                 dtype=torch.float64, device=acc.device)
+        if self.world > 1:  # normalise by the global token count: N processes == 1 process
+            n_targets = acc.reduce(n_targets, "sum")
+        # DDP averages the processes' gradients, hence the factor world: the step's gradient is
+        # that of (sum of all processes' token losses) / (all processes' target tokens).
+        scale = self.world / float(n_targets)
         stats = torch.zeros(4, dtype=torch.float64, device=acc.device)  # ce, kl, tokens, targets
         for j, items in enumerate(micro):
             ctx = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(self.module)
@@ -228,7 +238,7 @@ class _Run:
                 t_logits = self.teacher_logits(batch)
                 ce, kl = self.module(batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens,
                                      lm, t_logits)
-                loss = (ce + c.kl_weight * kl) / n_targets_local  # token mean over the whole step
+                loss = (ce + c.kl_weight * kl) * scale  # token mean over the whole step, all processes
                 stats += torch.tensor([float(ce.detach()), float(kl.detach()), batch.n_tokens, batch.n_targets],
                                       dtype=torch.float64, device=acc.device)
                 acc.backward(loss)
