@@ -29,12 +29,94 @@ import torch
 from torch import nn
 
 from ..model import SkipModel, write_json_atomic
+from .batching import _sha256_file
 from .config import RESUME_FIELDS, TrainConfig, TrainConfigError
 
-__all__ = ["latest_checkpoint", "STATE_DIR", "RECORD_NAME"]
+__all__ = ["latest_checkpoint", "CheckpointError", "check_out_dir", "verify_checkpoint", "STATE_DIR", "RECORD_NAME"]
 
 STATE_DIR = "train_state"
 RECORD_NAME = "train_record.json"
+CHECKSUMS = "checksums.json"  # in STATE_DIR: {path relative to the checkpoint: sha256}
+_TMP_PREFIX = ".checkpoint-tmp-"
+
+
+class CheckpointError(TrainConfigError):
+    """A checkpoint file is missing, corrupt or does not fit the run; ``field`` is "resume" and
+    the message names the file and what is wrong."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__("resume", f"cannot continue from {path}: {problem}")
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Make sure the run can write ``out_dir`` before the first step (creating it if needed).
+
+    Raises:
+        TrainConfigError: (field ``out_dir``) it is a file, or it cannot be created or written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TrainConfigError("out_dir", f"{out_dir} is a file, not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise TrainConfigError("out_dir", f"{out_dir} cannot be written: {err.strerror or err}") from None
+
+
+def _write_checksums(ckpt: Path) -> None:
+    """Record the sha256 of every file of checkpoint folder ``ckpt`` in ``train_state/checksums.json``."""
+    sums = {str(f.relative_to(ckpt)): _sha256_file(f) for f in sorted(ckpt.rglob("*")) if f.is_file()}
+    write_json_atomic(ckpt / STATE_DIR / CHECKSUMS, sums)
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Check every file recorded in ``train_state/checksums.json`` exists with its sha256.
+
+    Checkpoints written before checksums were recorded are accepted with a warning.
+
+    Raises:
+        CheckpointError: a recorded file is missing or its content changed (names the file)."""
+    record = ckpt / STATE_DIR / CHECKSUMS
+    if not record.exists():
+        log.warning("%s has no %s (an older checkpoint): its files are not verified", ckpt, CHECKSUMS)
+        return
+    try:
+        sums = json.loads(record.read_text())
+        assert isinstance(sums, dict)
+    except (ValueError, AssertionError, OSError):
+        raise CheckpointError(record, "the checksum record is not a JSON object (corrupt)") from None
+    for rel, digest in sums.items():
+        f = ckpt / rel
+        if not f.is_file():
+            raise CheckpointError(f, "the file is missing")
+        if _sha256_file(f) != digest:
+            raise CheckpointError(f, "its content differs from the sha256 recorded when it was saved "
+                                     "(corrupt, truncated or modified)")
+
+
+def _read(path: Path, loader: Callable[[Path], Any], what: str) -> Any:
+    """``loader(path)`` with any failure turned into a :class:`CheckpointError` naming ``path``."""
+    if not path.is_file():
+        raise CheckpointError(path, "the file is missing")
+    if path.stat().st_size == 0:
+        raise CheckpointError(path, "the file is empty")
+    try:
+        return loader(path)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch/safetensors/json raise many kinds; name the file
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise CheckpointError(path, f"cannot read {what} ({type(err).__name__}: {first})") from None
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """Remove staging folders of checkpoint saves that were killed midway."""
+    for p in out_dir.glob(_TMP_PREFIX + "*"):
+        if p.is_dir():
+            log.warning("removing %s, left by a checkpoint save that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
 log = logging.getLogger("skipdecode.train")  # one logger for the whole training package
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -124,13 +206,30 @@ def _base_model_name(sk: SkipModel, spec: Any) -> str | None:
     return name
 
 
-def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int) -> tuple[Path | None, dict[str, Any]]:
+def _read_state(ckpt: Path) -> dict[str, Any]:
+    """``train_state/state.json`` of ``ckpt``, checked for the fields resume needs."""
+    path = ckpt / STATE_DIR / "state.json"
+    saved = _read(path, lambda p: json.loads(p.read_text()), "the training state (JSON)")
+    if not isinstance(saved, dict):
+        raise CheckpointError(path, "the training state is not a JSON object")
+    for key, kind in (("step", int), ("config", dict), ("data_hash", str)):
+        if not isinstance(saved.get(key), kind):
+            raise CheckpointError(path, f"the training state lacks a valid {key!r}")
+    return saved
+
+
+def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int,
+                           main: bool = True) -> tuple[Path | None, dict[str, Any]]:
     """The checkpoint to resume from and its ``state.json`` (None, {} for a fresh run).
+
+    On resume it first removes staging folders left by killed saves (main process) and verifies
+    the checkpoint's files against their recorded checksums.
 
     Raises:
         TrainConfigError: ``out_dir`` holds another run (checkpoints or ``final/``) and
             ``resume`` is off; resume finds only a finished model; the checkpoint was written by
             another number of processes or with other settings (``.field`` names the setting).
+        CheckpointError: a checkpoint file is missing, corrupt or unreadable (names it).
     """
     existing = _checkpoints(out_dir)
     if not config.resume:
@@ -145,10 +244,13 @@ def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int) -> tu
     if ckpt is None and (out_dir / "final").exists():
         raise TrainConfigError("resume", f"{out_dir} holds a finished model ({out_dir / 'final'}) but no "
                                          "checkpoint to resume from; choose another directory to train again")
+    if main and out_dir.is_dir():
+        _remove_leftovers(out_dir)
     if ckpt is None:
         log.warning("resume: no checkpoint in %s, starting a fresh run", out_dir)
         return None, {}
-    saved = json.loads((ckpt / STATE_DIR / "state.json").read_text())
+    verify_checkpoint(ckpt)
+    saved = _read_state(ckpt)
     if saved.get("num_processes", 1) != world:
         raise TrainConfigError("resume", f"needs the {saved.get('num_processes', 1)} processes of {ckpt} "
                                          f"(the data order depends on it), got {world}")
@@ -164,7 +266,10 @@ def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int) -> tu
 
 def load_distill_answers(ckpt: Path) -> dict[str, list[int]]:
     """The distillation targets saved with checkpoint ``ckpt`` (prompt -> token ids)."""
-    raw = json.loads((ckpt / STATE_DIR / "distill_answers.json").read_text())
+    path = ckpt / STATE_DIR / "distill_answers.json"
+    raw = _read(path, lambda p: json.loads(p.read_text()), "the distillation answers (JSON)")
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, "the distillation answers are not a JSON object")
     return {k: list(v) for k, v in raw.items()}
 
 
@@ -173,20 +278,25 @@ def load_weights(ckpt: Path, hf_model: nn.Module, peft_model: Any) -> None:
     if peft_model is not None:
         from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-        set_peft_model_state_dict(peft_model, load_peft_weights(str(ckpt), device="cpu"))
-    else:
+        _read(ckpt / "adapter_model.safetensors", lambda p: set_peft_model_state_dict(
+            peft_model, load_peft_weights(str(ckpt), device="cpu")), "the LoRA adapter weights")
+    elif (ckpt / "model.safetensors.index.json").exists():  # sharded
         _load_full_weights(hf_model, ckpt)
+    else:
+        _read(ckpt / "model.safetensors", lambda p: _load_full_weights(hf_model, ckpt), "the model weights")
 
 
 def load_train_state(ckpt: Path, saved: dict[str, Any], optimizer: Any, scheduler: Any, rank: int) -> dict[str, Any]:
     """Restore optimizer, scheduler and RNG state from ``ckpt``; return the step, logs and totals."""
     state_dir = ckpt / STATE_DIR
-    optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=False))
+    _read(state_dir / "optimizer.pt", lambda p: optimizer.load_state_dict(
+        torch.load(p, map_location="cpu", weights_only=False)), "the optimizer state")
+    _read(state_dir / "scheduler.pt", lambda p: scheduler.load_state_dict(torch.load(p, weights_only=False)),
+          "the learning-rate scheduler state")
     rng_file = state_dir / f"rng-{rank}.pt"
     if not rng_file.exists():
         rng_file = state_dir / "rng-0.pt"
-    _set_rng_state(torch.load(rng_file, weights_only=False))
+    _read(rng_file, lambda p: _set_rng_state(torch.load(p, weights_only=False)), "the random-number state")
     return {"step": int(saved["step"]), "train_log": list(saved.get("train_log", [])),
             "val_log": list(saved.get("val_log", [])),
             "totals": {"tokens": int(saved.get("tokens_seen", 0)), "targets": int(saved.get("target_tokens_seen", 0))}}
@@ -204,7 +314,7 @@ def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: C
     accelerator.wait_for_everyone()
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".checkpoint-tmp-", dir=out_dir))
+        staging = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=out_dir))
         try:
             ckpt = save_model(staging / "ckpt")
             state_dir = ckpt / STATE_DIR
@@ -215,6 +325,7 @@ def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: C
                 write_json_atomic(state_dir / "distill_answers.json", answers)
             write_json_atomic(state_dir / "state.json", state)
             torch.save(_rng_state(), state_dir / "rng-0.pt")
+            _write_checksums(ckpt)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(ckpt, target)

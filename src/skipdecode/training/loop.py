@@ -86,7 +86,9 @@ class _Run:
         if launched != self.world:  # e.g. an earlier PartialState() fixed a non-distributed state
             raise RuntimeError(f"launched with WORLD_SIZE={launched} but Accelerate runs {self.world} process(es): "
                                "the processes would train independently")
-        self.ckpt, self.saved = ck.find_resume_checkpoint(self.out_dir, config, self.world)
+        if self.main:
+            ck.check_out_dir(self.out_dir)
+        self.ckpt, self.saved = ck.find_resume_checkpoint(self.out_dir, config, self.world, main=self.main)
         self.train_log: list[dict] = []
         self.val_log: list[dict] = []
         self.totals = {"tokens": 0, "targets": 0}
