@@ -27,9 +27,12 @@ More:
     python benchmarks/train_e2e.py --measure-throughput --speedup 3                # training tok/s: 3x vs full depth
     accelerate launch --multi_gpu --num_processes 4 benchmarks/train_e2e.py --speedup 2 --device cuda --bf16
 
-``--measure-throughput`` times forward + backward of the teacher-forced loss for full depth and each
-``--speedup`` on the same batches and writes ``benchmarks/results/train_throughput.json``. In the
-masked form every layer computes every position densely, so expect a ratio of about 1.0.
+``--measure-throughput`` times forward + backward of the teacher-forced loss (sparse teacher
+forcing, no optimizer step) for full depth and each ``--speedup`` on the same batches and writes
+``benchmarks/results/train_throughput_quick.json``. The full comparison (masked vs sparse, prompt
+gradient on/off, full vs LoRA, with optimizer steps) is ``benchmarks/train_throughput.py``.
+``--teacher-forcing masked`` and ``--no-prompt-grad`` select the training paths
+(docs/training-speed.md).
 All options: ``python benchmarks/train_e2e.py --help``.
 """
 
@@ -193,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         result.update(model=args.model, command=command, machine=_machine(device),
-                      note="masked teacher forcing computes every layer at every position (skipped rows are "
-                           "discarded by torch.where), so training tokens/s does not depend on the policy; "
-                           "active_fraction is the share a sparse implementation would compute")
-        out = RESULTS / "train_throughput.json"
+                      note="sparse teacher forcing (each layer runs on the positions whose plan includes it), "
+                           "forward + backward only; active_fraction is the share of (position, layer) pairs run; "
+                           "benchmarks/train_throughput.py is the full comparison")
+        out = RESULTS / "train_throughput_quick.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result))
         return 0

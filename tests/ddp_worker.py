@@ -33,11 +33,16 @@ def main(out: str, run_dir: str) -> None:
     items, _ = tokenize_examples(sk.tokenizer, exs, chat=False, max_length=max_length)
     lengths = sorted(len(x.response_ids) for x in items)
     assert lengths == [2, 32], lengths  # 1 token + EOS; the long one cut to 32 tokens
-    config = TrainConfig(out_dir=run_dir, speedup=2.0, batch_size=2 // world, max_steps=3, lr=1e-3,
-                         warmup_ratio=0.0, progress=False, max_length=max_length, seed=0)
-    train(sk, exs, config)
+    trained = {}
+    for prompt_grad in (True, False):  # the prompt without gradient takes another forward path
+        model = sk if prompt_grad else tiny_skipmodel(chat=False)
+        config = TrainConfig(out_dir=f"{run_dir}-{prompt_grad}", speedup=2.0, batch_size=2 // world, max_steps=3,
+                             lr=1e-3, warmup_ratio=0.0, progress=False, max_length=max_length, seed=0,
+                             prompt_grad=prompt_grad)
+        train(model, exs, config)
+        trained[prompt_grad] = {k: v.detach().cpu() for k, v in model.model.state_dict().items()}
     if PartialState().is_main_process:
-        torch.save({k: v.detach().cpu() for k, v in sk.model.state_dict().items()}, out)
+        torch.save(trained, out)
 
 
 if __name__ == "__main__":

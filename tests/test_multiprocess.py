@@ -41,10 +41,12 @@ def test_two_processes_equal_one_process_with_uneven_lengths(tmp_path):
     res = subprocess.run(torchrun + [str(WORKER), str(two), str(tmp_path / "run2")], env=_env(), timeout=300,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    a, b = torch.load(one), torch.load(two)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+    runs_one, runs_two = torch.load(one), torch.load(two)
+    for prompt_grad in (True, False):
+        a, b = runs_one[prompt_grad], runs_two[prompt_grad]
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=f"prompt_grad={prompt_grad} {k}")
 
 
 def test_a_launch_accelerate_does_not_see_is_refused(tmp_path, monkeypatch):

@@ -78,8 +78,7 @@ class _Run:
             raise TrainConfigError("max_length", f"must be <= the model's context of {max_positions} positions, "
                                                  f"got {config.max_length}")
         set_seed(config.seed)
-        self.accelerator = Accelerator(cpu=self.device == "cpu", mixed_precision="bf16" if config.bf16 else "no",
-                                       kwargs_handlers=self._ddp_kwargs())
+        self.accelerator = Accelerator(cpu=self.device == "cpu", mixed_precision="bf16" if config.bf16 else "no")
         self.main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -94,12 +93,6 @@ class _Run:
         self.totals = {"tokens": 0, "targets": 0}
         self.start_step = 0
         self.peft_model = None
-
-    def _ddp_kwargs(self) -> list:
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        # without the prompt's gradient, layers no response position runs get no gradient
-        return [DistributedDataParallelKwargs(find_unused_parameters=not self.config.prompt_grad)]
 
     # ---- data ---------------------------------------------------------------------------
     def prepare_data(self, data: Any, val_data: Any) -> None:
