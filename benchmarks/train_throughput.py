@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, png_path)
     _table(result)
-    best3 = max((r["relative"] or 0 for r in result["rows"] if r["speedup"] == 3), default=None)
+    best3 = max((r["relative"] for r in result["rows"] if r["speedup"] == 3 and r["relative"] is not None),
+                default=None)
     print(json.dumps({"rows": len(result["rows"]), "baseline_tokens_per_second":
                       result["baseline"]["tokens_per_second"] if result["baseline"] else None,
                       "best_3x_relative": best3, "json": result["json"], "png": result["png"]}))
