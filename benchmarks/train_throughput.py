@@ -53,7 +53,9 @@ def _list(text: str, cast, name: str) -> list:
     try:
         return [cast(x.strip()) for x in text.split(",") if x.strip()]
     except (ValueError, KeyError):
-        raise SystemExit(f"error: --{name} must be a comma list, got {text!r}")
+        print(f"error: --{name} must be a comma list such as {'on,off' if name == 'prompt-grad' else '1,2'}, "
+              f"got {text!r}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _on_off(x: str) -> bool:

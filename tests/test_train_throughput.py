@@ -61,3 +61,6 @@ def test_benchmark_script_smoke(tmp_path):
     assert len(saved["rows"]) == 2 and stem.with_suffix(".png").stat().st_size > 0
     assert mod.main(["--model", str(model_dir), "--data", str(data), "--modes", "dense", "--steps", "1",
                      "--out", str(stem)]) == 2
+    with pytest.raises(SystemExit) as info:
+        mod.main(["--model", str(model_dir), "--data", str(data), "--prompt-grad", "yes", "--out", str(stem)])
+    assert info.value.code == 2
