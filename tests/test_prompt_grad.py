@@ -96,14 +96,15 @@ def test_no_prompt_grad_same_loss_and_reference_gradients(family, policy):
     assert differs > 3  # dropping the prompt's gradient changes the gradients
 
 
-def test_train_with_no_prompt_grad_logs_the_same_first_loss(tmp_path):
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_train_with_no_prompt_grad_logs_the_same_first_loss(tmp_path, lora_r):
     from test_train import cfg, examples, tiny_skipmodel
 
     from skipdecode.train import train
 
     first = {}
     for on in (True, False):
-        res = train(tiny_skipmodel(), examples(), cfg(tmp_path / str(on), max_steps=2, prompt_grad=on))
+        res = train(tiny_skipmodel(), examples(), cfg(tmp_path / str(on), max_steps=2, prompt_grad=on, lora_r=lora_r))
         first[on] = res.train_log[0]["loss"]
         assert res.config["prompt_grad"] is on
     assert first[False] == pytest.approx(first[True], abs=1e-5)
