@@ -150,3 +150,19 @@ def test_train_sparse_and_masked_reach_the_same_weights(tmp_path):
     with pytest.raises(TrainConfigError) as info:
         cfg(tmp_path / "x", teacher_forcing="dense")
     assert info.value.field == "teacher_forcing"
+
+
+def test_sparse_equals_masked_with_a_sliding_window():
+    """The attention mask is sliced with the hidden states: a window (Mistral) stays exact."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_config
+
+    config = make_config("mistral", L)
+    config.sliding_window = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert get_adapter(model).sliding_window == 4
+    batch = _batch(seed=2)
+    lm = build_layer_mask(_policy(1), batch.prompt_lens, batch.seq_lens, batch.input_ids.shape[1], L)
+    _assert_same(model, batch.input_ids, batch.attention_mask, lm)
