@@ -27,9 +27,12 @@ More:
     python benchmarks/train_e2e.py --measure-throughput --speedup 3                # training tok/s: 3x vs full depth
     accelerate launch --multi_gpu --num_processes 4 benchmarks/train_e2e.py --speedup 2 --device cuda --bf16
 
-``--measure-throughput`` times forward + backward of the teacher-forced loss for full depth and each
-``--speedup`` on the same batches and writes ``benchmarks/results/train_throughput.json``. In the
-masked form every layer computes every position densely, so expect a ratio of about 1.0.
+``--measure-throughput`` times forward + backward of the teacher-forced loss (sparse teacher
+forcing, no optimizer step) for full depth and each ``--speedup`` on the same batches and writes
+``benchmarks/results/train_throughput_quick.json``. The full comparison (masked vs sparse, prompt
+gradient on/off, full vs LoRA, with optimizer steps) is ``benchmarks/train_throughput.py``.
+``--teacher-forcing masked`` and ``--no-prompt-grad`` select the training paths
+(docs/training-speed.md).
 All options: ``python benchmarks/train_e2e.py --help``.
 """
 
@@ -70,6 +73,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--distill", action="store_true", help="train on the full-depth model's greedy answers")
     p.add_argument("--kl-weight", type=float, default=0.0)
     p.add_argument("--grad-checkpointing", action="store_true")
+    p.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="backpropagate through the prompt; --no-prompt-grad runs it under no_grad (same loss, faster)")
+    p.add_argument("--teacher-forcing", default="sparse", choices=["sparse", "masked"],
+                   help="sparse: each layer runs only on the positions that need it; masked: every position (same values)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -189,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         result.update(model=args.model, command=command, machine=_machine(device),
-                      note="masked teacher forcing computes every layer at every position (skipped rows are "
-                           "discarded by torch.where), so training tokens/s does not depend on the policy; "
-                           "active_fraction is the share a sparse implementation would compute")
-        out = RESULTS / "train_throughput.json"
+                      note="sparse teacher forcing (each layer runs on the positions whose plan includes it), "
+                           "forward + backward only; active_fraction is the share of (position, layer) pairs run; "
+                           "benchmarks/train_throughput.py is the full comparison")
+        out = RESULTS / "train_throughput_quick.json"
         out.write_text(dumps(result, indent=2) + "\n")
         print(dumps(result))
         return 0
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             max_val_examples=args.max_val_examples, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, lora_r=args.lora_r, distill=args.distill,
             kl_weight=args.kl_weight, gradient_checkpointing=args.grad_checkpointing, device=args.device,
-            bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress, **schedule,
+            bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress,
+            prompt_grad=args.prompt_grad, teacher_forcing=args.teacher_forcing, **schedule,
         )
         sk = skipdecode.load(args.model)
         result = train(sk, data, config)

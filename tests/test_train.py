@@ -260,6 +260,42 @@ def test_train_learns_the_schedule_and_writes_a_loadable_checkpoint(tmp_path):
     assert info.value.field == "out_dir"
 
 
+def test_logged_loss_is_the_response_cross_entropy_under_the_policy(tmp_path, tokenizer):
+    """The first step's logged loss equals a direct computation: the cross-entropy of the
+    teacher-forced logits under the policy (masked reference path, one row at a time) at the
+    positions that predict response tokens, averaged over those tokens only."""
+    import torch.nn.functional as F
+
+    exs = examples()
+    original = tiny_skipmodel()
+    reference = weights(original.model)
+    result = train(original, exs, cfg(tmp_path / "run", max_steps=1, batch_size=len(exs), speedup=2.0))
+    policy = for_speedup(6, 2.0, result.horizon)
+    sk = tiny_skipmodel()
+    sk.model.load_state_dict(reference)
+    items = tokenize_examples(tokenizer, exs, chat=True, max_length=256)[0]
+    totals = {"policy": 0.0, "full": 0.0, "with_prompt": 0.0}
+    n_resp = n_all = 0
+    with torch.no_grad():
+        for item in items:
+            batch = collate([item])
+            ids = batch.input_ids[0]
+            P, S = len(item.prompt_ids), len(item)
+            logits = {"policy": teacher_forced_logits(sk.adapter, batch, policy, sparse=False)[0],
+                      "full": teacher_forced_logits(sk.adapter, batch, FullPolicy(6))[0]}
+            resp = slice(P - 1, S - 1)  # position p predicts token p + 1, a response token
+            totals["policy"] += float(F.cross_entropy(logits["policy"][resp], ids[P:S], reduction="sum"))
+            totals["full"] += float(F.cross_entropy(logits["full"][resp], ids[P:S], reduction="sum"))
+            totals["with_prompt"] += float(F.cross_entropy(logits["policy"][: S - 1], ids[1:S], reduction="sum"))
+            n_resp += S - P
+            n_all += S - 1
+    logged = result.train_log[0]["loss"]
+    assert logged == pytest.approx(totals["policy"] / n_resp, abs=1e-5)
+    # the assertion can tell: full depth, or counting prompt positions, gives another value
+    assert abs(logged - totals["full"] / n_resp) > 1e-2
+    assert abs(logged - totals["with_prompt"] / n_all) > 1e-2
+
+
 def test_finished_model_is_never_silently_replaced(tmp_path, caplog):
     """A run directory holding only ``final/`` (checkpoints removed) is refused, with or without
     resume; resume on an empty directory starts fresh with a visible warning."""
@@ -316,38 +352,51 @@ class Killed(Exception):
     pass
 
 
+def with_dropout(sk: SkipModel, p: float = 0.1) -> SkipModel:
+    """``sk`` with every dropout module set to ``p`` (GPT-2's attention, residual and embedding)."""
+    for m in sk.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+    return sk
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, lora):
-    """N steps straight == k steps, a kill, then resume to N (weights within 1e-6)."""
-    extra = dict(lora_r=4, lr=1e-2) if lora else {}
+    """N steps straight == k steps, a kill, then resume to N (weights within 1e-6). Randomness is
+    on (model dropout, or LoRA dropout), so a resume that does not restore the RNG state fails."""
+    extra = dict(lora_r=4, lr=1e-2, lora_dropout=0.2) if lora else {}
     settings = dict(max_steps=6, grad_accum=2, speedup=None, speedups=(1, 2, 3), checkpoint_every=3,
                     warmup_ratio=0.3, **extra)
-    straight = tiny_skipmodel()
+
+    def model():
+        return tiny_skipmodel() if lora else with_dropout(tiny_skipmodel("gpt2", chat=False), 0.2)
+
+    straight = model()
     train(straight, examples(), cfg(tmp_path / "a", **settings))
 
     def kill(info):
         if info["step"] == 3:
             raise Killed
 
-    killed = tiny_skipmodel()
+    killed = model()
     with pytest.raises(Killed):
         train(killed, examples(), cfg(tmp_path / "b", **settings), callback=kill)
     assert latest_checkpoint(tmp_path / "b").name == "checkpoint-00000003"
     assert not (tmp_path / "b" / "final").exists()
-    resumed = tiny_skipmodel()  # a fresh process: the original model again
+    resumed = model()  # a fresh process: the original model again
     result = train(resumed, examples(), cfg(tmp_path / "b", resume=True, **settings))
     assert result.resumed_from.endswith("checkpoint-00000003") and result.steps == 6
     a, b = weights(straight.model), weights(resumed.model)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
-    fresh = weights(tiny_skipmodel().model)
+    fresh = weights(model().model)
     assert any((a[k] != fresh[k]).any() for k in a)  # it did train (LoRA runs are merged at the end)
     straight_log = json.loads((tmp_path / "a" / "train_record.json").read_text())["train_log"]
     assert [r["loss"] for r in result.train_log] == pytest.approx([r["loss"] for r in straight_log], abs=1e-6)
     # a resume with different settings is refused, naming the field
     with pytest.raises(TrainConfigError) as info:
-        train(tiny_skipmodel(), examples(), cfg(tmp_path / "b", resume=True, **{**settings, "grad_accum": 1}))
+        train(model(), examples(), cfg(tmp_path / "b", resume=True, **{**settings, "grad_accum": 1}))
     assert info.value.field == "grad_accum"
 
 

@@ -333,6 +333,8 @@ def train(
     lora_r: int = typer.Option(0, "--lora-r", help="LoRA rank on all linear projections (0: full fine-tuning)."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default: 2 * rank)."),
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Recompute layers in backward to save memory."),
+    prompt_grad: bool = typer.Option(True, "--prompt-grad/--no-prompt-grad", help="Backpropagate through the prompt; --no-prompt-grad runs it (less its last token) under no_grad (same loss, faster)."),
+    teacher_forcing: str = typer.Option("sparse", "--teacher-forcing", help="sparse (each layer runs only on the positions that need it) or masked (every layer on every position; same values)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
     bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (for GPUs)."),
@@ -367,7 +369,7 @@ def train(
             gradient_checkpointing=grad_checkpointing, seed=seed, device=device, bf16=bf16, distill=distill,
             kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens, lora_r=lora_r,
             lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
-            progress=progress,
+            progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing,
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")

@@ -7,11 +7,18 @@ Two ways to say which layers run:
 - ``layer_mask`` (B, T, L) bool: per-position plans for teacher forcing (METHOD.md "Training"):
   ``h_l(p) = h_{l-1}(p) + m_l(p) * (Layer_l(h_{l-1})(p) - h_{l-1}(p))``, implemented with
   ``torch.where`` so that kept rows are bit-identical to a skip.
+
+Sparse teacher forcing (METHOD.md "Prefixes in training"; the default): layer l runs only on
+``hidden[:, :n_l]``, n_l = 1 + the last position that any row runs l at; the masked update is kept
+for the rows whose own prefix is shorter, positions >= n_l pass through unchanged. It is exact for
+any mask, because a query never attends to a later key (causal attention): what the masked form
+computes at positions >= n_l is discarded anyway. Under a monotone plan n_l follows the schedule,
+so the layer work of teacher forcing is what decoding does.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -83,6 +90,8 @@ def skip_forward(
     cache: SkipCache | None = None,
     logits_last_only: bool = False,
     return_hidden: bool = False,
+    sparse: bool = True,
+    kv_prefix: Any = None,
 ) -> torch.Tensor:
     """Run the model over ``input_ids`` with the given layer plan; return logits.
 
@@ -96,12 +105,17 @@ def skip_forward(
         cache: :class:`SkipCache`; every active layer must hold exactly K - T positions.
         logits_last_only: return logits for the last position only, (B, 1, V).
         return_hidden: return the final hidden state (B, T, C) before the head instead.
+        sparse: with ``layer_mask``, run layer l on the first n_l positions only (see the module
+            docstring; exact); False runs every layer on all T positions (the masked reference).
+        kv_prefix: instead of ``cache``, read-only keys/values of the first K - T positions
+            (``update`` returns prefix + new and stores nothing; ``lengths`` per layer), e.g.
+            :class:`skipdecode.training.loss.PrefixKV` for a prompt run under ``no_grad``.
 
     Returns:
         Logits (B, T, V) (or (B, 1, V), or hidden (B, T, C)).
 
     Raises:
-        ValueError: shapes disagree, or ``layer_mask`` is combined with ``cache``.
+        ValueError: shapes disagree, or ``layer_mask`` / ``kv_prefix`` is combined with ``cache``.
         RuntimeError: an active layer's cached length is not K - T (a broken skip plan; the
             SkipDecode invariant of METHOD.md "Why the KV cache is always complete").
     """
@@ -111,9 +125,11 @@ def skip_forward(
         raise ValueError(
             f"attention_mask must be (B={B}, K>={T}), got {tuple(attention_mask.shape)}"
         )
+    if cache is not None and kv_prefix is not None:
+        raise ValueError("kv_prefix cannot be combined with a cache")
     if layer_mask is not None:
         if cache is not None:
-            raise ValueError("layer_mask (teacher forcing) cannot be combined with a cache")
+            raise ValueError("layer_mask (teacher forcing) cannot be combined with a cache; pass kv_prefix")
         if layer_mask.shape != (B, T, adapter.num_layers):
             raise ValueError(
                 f"layer_mask must be (B, T, L)=({B}, {T}, {adapter.num_layers}), got {tuple(layer_mask.shape)}"
@@ -123,22 +139,59 @@ def skip_forward(
     hidden = adapter.embed(input_ids, position_ids)
     masks = layer_attention_masks(adapter, attention_mask, T, hidden.dtype)  # per layer (B, 1, T, K)
     extra = adapter.layer_inputs(hidden, position_ids)
+    extras = {T: extra}  # per prefix length (sparse teacher forcing)
+    prefix = _active_prefix_lengths(layer_mask) if layer_mask is not None and sparse else None
+    store = cache if cache is not None else kv_prefix
     for layer_idx in layers:
-        if cache is not None and cache.lengths[layer_idx] != K - T:
+        if store is not None and store.lengths[layer_idx] != K - T:
             raise RuntimeError(
-                f"layer {layer_idx} holds {cache.lengths[layer_idx]} cached positions, expected {K - T}: "
+                f"layer {layer_idx} holds {store.lengths[layer_idx]} cached positions, expected {K - T}: "
                 "a layer skipped earlier cannot run again (the plan is not monotone)"
             )
         if layer_mask is not None:
             keep = layer_mask[:, :, layer_idx]
-            if not bool(keep.any()):
-                continue
-            out = adapter.run_layer(layer_idx, hidden, masks[layer_idx], None, extra)
-            hidden = torch.where(keep[..., None], out, hidden)
+            n = prefix[layer_idx] if prefix is not None else (T if bool(keep.any()) else 0)
+            if n:
+                hidden = _masked_layer(adapter, layer_idx, hidden, keep, n, masks[layer_idx], store, extras, position_ids)
         else:
-            hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
+            hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], store, extra)
     if return_hidden:
         return hidden
     if logits_last_only:
         hidden = hidden[:, -1:]
     return adapter.head(hidden)
+
+
+def _active_prefix_lengths(layer_mask: torch.Tensor) -> list[int]:
+    """Per layer l, n_l = 1 + the last position (of T) that any row runs l at (0: no position).
+
+    ``layer_mask`` is (B, T, L) bool; returns L lengths (positions)."""
+    T = layer_mask.shape[1]
+    any_row = layer_mask.any(0)  # (T, L)
+    idx = torch.arange(1, T + 1, device=layer_mask.device)[:, None] * any_row
+    return idx.amax(0).tolist() if T else [0] * layer_mask.shape[2]
+
+
+def _masked_layer(
+    adapter: Adapter,
+    layer_idx: int,
+    hidden: torch.Tensor,
+    keep: torch.Tensor,
+    n: int,
+    mask4d: torch.Tensor,
+    cache: Any,
+    extras: dict,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Layer ``layer_idx`` on the first ``n`` of T positions with the masked residual update.
+
+    ``hidden`` (B, T, C), ``keep`` (B, T) bool (``keep[:, n:]`` must be all False), ``mask4d``
+    (B, 1, T, K), ``position_ids`` (B, T); ``extras`` caches ``adapter.layer_inputs`` per prefix
+    length. Returns the new hidden state (B, T, C); positions >= n are passed through."""
+    T, K = hidden.shape[1], mask4d.shape[-1]
+    if n not in extras:
+        extras[n] = adapter.layer_inputs(hidden[:, :n], position_ids[:, :n])
+    part = hidden[:, :n]
+    out = adapter.run_layer(layer_idx, part, mask4d[:, :, :n, : K - T + n], cache, extras[n])
+    out = torch.where(keep[:, :n, None], out, part)
+    return out if n == T else torch.cat([out, hidden[:, n:]], dim=1)

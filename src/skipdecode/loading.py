@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .adapters import UnsupportedArchitectureError
 from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
 from .policy import policy_from_dict
 
@@ -125,7 +126,8 @@ def load(
         :class:`SkipModel`.
 
     Raises:
-        LoadError: the model cannot be found or read (message says what was tried).
+        LoadError: the model cannot be found or read (message says what was tried), a weights
+            file is corrupt (names the file), or skipdecode.json's policy does not fit the model.
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
     torch_dtype = _resolve_dtype(dtype)
@@ -157,6 +159,7 @@ def load(
                     skip_config = json.loads((path / SKIP_CONFIG_NAME).read_text())
                 except json.JSONDecodeError as err:
                     raise LoadError(f"{path / SKIP_CONFIG_NAME} is not valid JSON: {err}") from None
+            _check_weight_files(path)
             if (path / "adapter_config.json").exists():
                 hf_model, tokenizer = _from_lora(path, skip_config, torch_dtype)
             elif (path / "config.json").exists():
@@ -175,11 +178,33 @@ def load(
                 ) from None
         source = str(model)
     hf_model = hf_model.to(device).eval()
-    if policy is None and "policy" in skip_config:
-        policy = policy_from_dict(skip_config["policy"])
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
+    if policy is None and "policy" in skip_config:
+        try:
+            policy = policy_from_dict(skip_config["policy"])
+            return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+        except (ValueError, KeyError, TypeError) as err:  # the checkpoint's policy does not fit the model
+            if isinstance(err, UnsupportedArchitectureError):
+                raise
+            raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: its policy does not fit the model: {err}") from None
     return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+
+
+def _check_weight_files(path: Path) -> None:
+    """Open the header of every ``*.safetensors`` file in checkpoint folder ``path``.
+
+    Raises:
+        LoadError: a file is empty, truncated or not safetensors (names the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except (SafetensorError, OSError) as err:
+            raise LoadError(f"{f}: not a readable safetensors file ({err}); the checkpoint is corrupt or "
+                            "incomplete") from None
 
 
 def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:

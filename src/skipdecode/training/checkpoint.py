@@ -1,0 +1,346 @@
+"""Checkpoints: find, write atomically, load; RNG state.
+
+Run directory layout (``TrainConfig.out_dir``)::
+
+    out_dir/checkpoint-00000100/   HF checkpoint + tokenizer + skipdecode.json + train_state/
+    out_dir/final/                 the trained model (HF checkpoint, or LoRA adapter) + skipdecode.json
+    out_dir/train_record.json      the run's record (:class:`TrainResult`), rewritten as it goes
+
+``train_state/`` holds ``optimizer.pt``, ``scheduler.pt``, ``rng-<rank>.pt``, ``state.json`` (step,
+logs, config) and, for distillation, ``distill_answers.json``. Every directory is written under a
+temporary name (``.checkpoint-tmp-*``) and renamed into place.
+
+Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.train`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..model import SkipModel, write_json_atomic
+from .batching import _sha256_file
+from .config import RESUME_FIELDS, TrainConfig, TrainConfigError
+
+__all__ = ["latest_checkpoint", "CheckpointError", "check_out_dir", "verify_checkpoint", "STATE_DIR", "RECORD_NAME"]
+
+STATE_DIR = "train_state"
+RECORD_NAME = "train_record.json"
+CHECKSUMS = "checksums.json"  # in STATE_DIR: {path relative to the checkpoint: sha256}
+_TMP_PREFIX = ".checkpoint-tmp-"
+
+
+class CheckpointError(TrainConfigError):
+    """A checkpoint file is missing, corrupt or does not fit the run; ``field`` is "resume" and
+    the message names the file and what is wrong."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__("resume", f"cannot continue from {path}: {problem}")
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Make sure the run can write ``out_dir`` before the first step (creating it if needed).
+
+    Raises:
+        TrainConfigError: (field ``out_dir``) it is a file, or it cannot be created or written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise TrainConfigError("out_dir", f"{out_dir} is a file, not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise TrainConfigError("out_dir", f"{out_dir} cannot be written: {err.strerror or err}") from None
+
+
+def _write_checksums(ckpt: Path) -> None:
+    """Record the sha256 of every file of checkpoint folder ``ckpt`` in ``train_state/checksums.json``."""
+    sums = {str(f.relative_to(ckpt)): _sha256_file(f) for f in sorted(ckpt.rglob("*")) if f.is_file()}
+    write_json_atomic(ckpt / STATE_DIR / CHECKSUMS, sums)
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Check every file recorded in ``train_state/checksums.json`` exists with its sha256.
+
+    Checkpoints written before checksums were recorded are accepted with a warning.
+
+    Raises:
+        CheckpointError: a recorded file is missing or its content changed (names the file)."""
+    record = ckpt / STATE_DIR / CHECKSUMS
+    if not record.exists():
+        log.warning("%s has no %s (an older checkpoint): its files are not verified", ckpt, CHECKSUMS)
+        return
+    try:
+        sums = json.loads(record.read_text())
+        assert isinstance(sums, dict)
+    except (ValueError, AssertionError, OSError):
+        raise CheckpointError(record, "the checksum record is not a JSON object (corrupt)") from None
+    for rel, digest in sums.items():
+        f = ckpt / rel
+        if not f.is_file():
+            raise CheckpointError(f, "the file is missing")
+        if _sha256_file(f) != digest:
+            raise CheckpointError(f, "its content differs from the sha256 recorded when it was saved "
+                                     "(corrupt, truncated or modified)")
+
+
+def _read(path: Path, loader: Callable[[Path], Any], what: str) -> Any:
+    """``loader(path)`` with any failure turned into a :class:`CheckpointError` naming ``path``."""
+    if not path.is_file():
+        raise CheckpointError(path, "the file is missing")
+    if path.stat().st_size == 0:
+        raise CheckpointError(path, "the file is empty")
+    try:
+        return loader(path)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - torch/safetensors/json raise many kinds; name the file
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise CheckpointError(path, f"cannot read {what} ({type(err).__name__}: {first})") from None
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """Remove staging folders of checkpoint saves that were killed midway."""
+    for p in out_dir.glob(_TMP_PREFIX + "*"):
+        if p.is_dir():
+            log.warning("removing %s, left by a checkpoint save that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
+log = logging.getLogger("skipdecode.train")  # one logger for the whole training package
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint ``out_dir/checkpoint-NNNNNNNN`` (one holding
+    ``train_state/state.json``), or None."""
+    root = Path(out_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for p in root.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_dir() and (p / STATE_DIR / "state.json").exists():
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+def _checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    if out_dir.is_dir():
+        for p in out_dir.iterdir():
+            m = _CKPT_RE.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _load_full_weights(model: nn.Module, directory: Path) -> None:
+    """Load a HF checkpoint's safetensors into ``model`` in place (tied weights may be absent)."""
+    from safetensors.torch import load_file
+
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        raise FileNotFoundError(f"{directory} holds no model.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    missing = [k for k in missing if not (k in params and id(params[k]) in loaded)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {directory} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _base_model_name(sk: SkipModel, spec: Any) -> str | None:
+    """Where the model can be loaded from again (for a LoRA adapter's ``base_model``)."""
+    from ..loading import DEFAULT_MODEL
+
+    name = str(spec) if isinstance(spec, (str, os.PathLike)) else sk.source
+    if not name:
+        return None
+    if name == DEFAULT_MODEL or name.startswith(DEFAULT_MODEL + " "):
+        return DEFAULT_MODEL
+    if Path(name).exists():
+        return str(Path(name).resolve())
+    return name
+
+
+def _read_state(ckpt: Path) -> dict[str, Any]:
+    """``train_state/state.json`` of ``ckpt``, checked for the fields resume needs."""
+    path = ckpt / STATE_DIR / "state.json"
+    saved = _read(path, lambda p: json.loads(p.read_text()), "the training state (JSON)")
+    if not isinstance(saved, dict):
+        raise CheckpointError(path, "the training state is not a JSON object")
+    for key, kind in (("step", int), ("config", dict), ("data_hash", str)):
+        if not isinstance(saved.get(key), kind):
+            raise CheckpointError(path, f"the training state lacks a valid {key!r}")
+    return saved
+
+
+def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int,
+                           main: bool = True) -> tuple[Path | None, dict[str, Any]]:
+    """The checkpoint to resume from and its ``state.json`` (None, {} for a fresh run).
+
+    On resume it first removes staging folders left by killed saves (main process) and verifies
+    the checkpoint's files against their recorded checksums.
+
+    Raises:
+        TrainConfigError: ``out_dir`` holds another run (checkpoints or ``final/``) and
+            ``resume`` is off; resume finds only a finished model; the checkpoint was written by
+            another number of processes or with other settings (``.field`` names the setting).
+        CheckpointError: a checkpoint file is missing, corrupt or unreadable (names it).
+    """
+    existing = _checkpoints(out_dir)
+    if not config.resume:
+        if existing:
+            raise TrainConfigError("out_dir", f"{out_dir} already holds checkpoints ({existing[-1][1].name}); "
+                                              "pass resume to continue that run or choose another directory")
+        if (out_dir / "final").exists():
+            raise TrainConfigError("out_dir", f"{out_dir} already holds a finished model ({out_dir / 'final'}); "
+                                              "choose another directory (or remove it) to train again")
+        return None, {}
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None and (out_dir / "final").exists():
+        raise TrainConfigError("resume", f"{out_dir} holds a finished model ({out_dir / 'final'}) but no "
+                                         "checkpoint to resume from; choose another directory to train again")
+    if main and out_dir.is_dir():
+        _remove_leftovers(out_dir)
+    if ckpt is None:
+        log.warning("resume: no checkpoint in %s, starting a fresh run", out_dir)
+        return None, {}
+    verify_checkpoint(ckpt)
+    saved = _read_state(ckpt)
+    if saved.get("num_processes", 1) != world:
+        raise TrainConfigError("resume", f"needs the {saved.get('num_processes', 1)} processes of {ckpt} "
+                                         f"(the data order depends on it), got {world}")
+    now = config.to_dict()
+    defaults = TrainConfig(out_dir=".", speedup=1.0).to_dict()  # fields older checkpoints lack
+    for name in RESUME_FIELDS:
+        old, new = saved["config"].get(name, defaults[name]), now[name]
+        if old != new:
+            raise TrainConfigError(name, f"differs from the checkpoint's ({old!r} in {ckpt}, {new!r} now): "
+                                         "resume needs the same settings")
+    return ckpt, saved
+
+
+def load_distill_answers(ckpt: Path) -> dict[str, list[int]]:
+    """The distillation targets saved with checkpoint ``ckpt`` (prompt -> token ids)."""
+    path = ckpt / STATE_DIR / "distill_answers.json"
+    raw = _read(path, lambda p: json.loads(p.read_text()), "the distillation answers (JSON)")
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, "the distillation answers are not a JSON object")
+    return {k: list(v) for k, v in raw.items()}
+
+
+def load_weights(ckpt: Path, hf_model: nn.Module, peft_model: Any) -> None:
+    """Load the checkpoint's weights: the LoRA adapter into ``peft_model``, or the full model."""
+    if peft_model is not None:
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+        _read(ckpt / "adapter_model.safetensors", lambda p: set_peft_model_state_dict(
+            peft_model, load_peft_weights(str(ckpt), device="cpu")), "the LoRA adapter weights")
+    elif (ckpt / "model.safetensors.index.json").exists():  # sharded
+        _load_full_weights(hf_model, ckpt)
+    else:
+        _read(ckpt / "model.safetensors", lambda p: _load_full_weights(hf_model, ckpt), "the model weights")
+
+
+def load_train_state(ckpt: Path, saved: dict[str, Any], optimizer: Any, scheduler: Any, rank: int) -> dict[str, Any]:
+    """Restore optimizer, scheduler and RNG state from ``ckpt``; return the step, logs and totals."""
+    state_dir = ckpt / STATE_DIR
+    _read(state_dir / "optimizer.pt", lambda p: optimizer.load_state_dict(
+        torch.load(p, map_location="cpu", weights_only=False)), "the optimizer state")
+    _read(state_dir / "scheduler.pt", lambda p: scheduler.load_state_dict(torch.load(p, weights_only=False)),
+          "the learning-rate scheduler state")
+    rng_file = state_dir / f"rng-{rank}.pt"
+    if not rng_file.exists():
+        rng_file = state_dir / "rng-0.pt"
+    _read(rng_file, lambda p: _set_rng_state(torch.load(p, weights_only=False)), "the random-number state")
+    return {"step": int(saved["step"]), "train_log": list(saved.get("train_log", [])),
+            "val_log": list(saved.get("val_log", [])),
+            "totals": {"tokens": int(saved.get("tokens_seen", 0)), "targets": int(saved.get("target_tokens_seen", 0))}}
+
+
+def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: Callable[[Path], Path],
+                    optimizer: Any, scheduler: Any, state: dict[str, Any], answers: dict | None,
+                    keep: int) -> Path:
+    """Write ``out_dir/checkpoint-<step>`` atomically (staging folder + rename); keep the newest ``keep``.
+
+    ``save_model(dir)`` writes the model into ``dir`` and returns it; ``state`` becomes
+    ``train_state/state.json``. Every process writes its own ``rng-<rank>.pt``."""
+    target = out_dir / f"checkpoint-{step:08d}"
+    main = accelerator.is_main_process
+    accelerator.wait_for_everyone()
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=out_dir))
+        try:
+            ckpt = save_model(staging / "ckpt")
+            state_dir = ckpt / STATE_DIR
+            state_dir.mkdir()
+            torch.save(optimizer.state_dict(), state_dir / "optimizer.pt")
+            torch.save(scheduler.state_dict(), state_dir / "scheduler.pt")
+            if answers is not None:
+                write_json_atomic(state_dir / "distill_answers.json", answers)
+            write_json_atomic(state_dir / "state.json", state)
+            torch.save(_rng_state(), state_dir / "rng-0.pt")
+            _write_checksums(ckpt)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(ckpt, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1:  # each process keeps its own RNG stream (dropout)
+        torch.save(_rng_state(), target / STATE_DIR / f"rng-{accelerator.process_index}.pt")
+    if main:
+        for _, old in _checkpoints(out_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def write_record(out_dir: Path, record: dict[str, Any]) -> None:
+    """Write ``out_dir/train_record.json`` atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_dir / RECORD_NAME, record)

@@ -1,0 +1,341 @@
+"""Training settings: :class:`TrainConfig`, its error type and the policies it trains.
+
+Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.train`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from ..data import TEMPLATES
+from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup
+
+__all__ = ["TrainConfig", "TrainConfigError", "build_policies", "RESUME_FIELDS", "TEACHER_FORCING_MODES"]
+
+_SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+_DEVICES = ("cpu", "cuda", "auto")
+TEACHER_FORCING_MODES = ("sparse", "masked")
+
+
+class TrainConfigError(ValueError):
+    """An invalid training setting. ``field`` names the :class:`TrainConfig` field, ``reason``
+    says what is wrong; ``str(err)`` is ``f"{field} {reason}"``."""
+
+    def __init__(self, field_name: str, reason: str) -> None:
+        self.field = field_name
+        self.reason = reason
+        super().__init__(f"{field_name} {reason}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one skip-aware fine-tuning run. Validated on construction.
+
+    Schedule (give exactly one of ``speedup``, ``speedups``, ``max_layers``/``min_layers``):
+        speedup: target speedup (>= 1) -> :func:`skipdecode.policy.for_speedup`; 1 = full depth.
+        speedups: several targets; each optimizer step picks one at random (seeded), so one model
+            serves all of them (mixed-policy training). The first is the checkpoint's default.
+        max_layers, min_layers: explicit e_max / e_min (layers) of a linear-decay schedule; a
+            missing one defaults to L (max) or to ``max_layers`` (min).
+        warmup_layers: bottom layers that always run (layers), default 1.
+        horizon: decay horizon T (tokens); None: the median response length of the training
+            data in tokens (:func:`skipdecode.data.median_response_tokens`; with ``distill`` the
+            median length of the teacher's answers).
+
+    Data:
+        task: prompt template of :data:`skipdecode.data.TEMPLATES` (None: the reader's default).
+        max_length: longest prompt + response (tokens); longer responses are cut, examples whose
+            prompt alone fills it are dropped (counted in the record).
+        val_fraction: share of distinct prompts held out for validation, in [0, 1).
+        max_val_examples: cap on the validation examples (keeps evaluation cheap).
+        skip_bad_rows: drop malformed data rows instead of failing.
+        chat: wrap prompts in the tokenizer's chat template (None: the model's setting), exactly as
+            :func:`skipdecode.generate.encode_prompts` does at inference.
+        response_separator: text put between a plain (non-chat) prompt and its response when
+            neither side has whitespace there (default one space).
+
+    Optimisation:
+        epochs: passes over the training set (may be fractional); ignored when ``max_steps`` is set.
+        max_steps: optimizer steps to run (overrides ``epochs``).
+        lr: peak learning rate of AdamW. weight_decay: AdamW decoupled weight decay.
+        batch_size: examples per micro-batch per process. grad_accum: micro-batches per step.
+        lr_scheduler: "cosine", "linear", "constant" or "constant_with_warmup"
+            (:func:`transformers.get_scheduler`).
+        warmup_ratio: share of steps of linear warm-up; ``warmup_steps`` (if set) overrides it.
+        max_grad_norm: clip the global gradient norm to this (0: no clipping).
+        gradient_checkpointing: recompute each layer in backward (HF activation checkpointing).
+        seed: seeds data order, validation split, policy choice, LoRA init and dropout.
+        device: "cpu", "cuda" (Accelerate picks the process's GPU) or "auto".
+        bf16: bf16 autocast (for GPUs; works but is slow on most CPUs).
+        teacher_forcing: "sparse" (default): each layer runs only on the prefix of positions whose
+            plan includes it (exact; see :func:`skipdecode.forward.skip_forward`); "masked": every
+            layer runs on every position and the update is masked (the reference; same values).
+        prompt_grad: False: the prompt (all but its last token) runs at full depth under
+            ``torch.no_grad()`` and the response positions train against its keys/values (the
+            loss value is unchanged; no gradient flows through the prompt's activations).
+            Cannot be combined with ``gradient_checkpointing``.
+
+    Distillation:
+        distill: train on the full-depth model's own greedy answers (computed before training,
+            deduplicated by prompt; gold responses are ignored).
+        kl_weight: add ``kl_weight * KL(teacher || student)`` per response token, where the teacher
+            is the full-depth frozen original model (>= 0; works with or without ``distill``).
+        distill_max_new_tokens: longest teacher answer (tokens). distill_batch_size: prompts per
+            teacher generation batch.
+
+    LoRA:
+        lora_r: LoRA rank (0: full fine-tuning). lora_alpha: scaling numerator (None: 2 * r).
+        lora_dropout: dropout on the LoRA path. base_model: name or path recorded as the adapter's
+            base in skipdecode.json (None: where the model was loaded from).
+
+    Run:
+        out_dir: run directory (see the module docstring).
+        eval_every: validation every N steps (0: only at the start and the end).
+        checkpoint_every: checkpoint every N steps (0: only the final model).
+        save_total_limit: checkpoints kept (oldest deleted first).
+        resume: continue from the newest checkpoint in ``out_dir`` (fresh start if none).
+        progress: show a tqdm progress bar (loss, tokens/s, ETA) on stderr.
+
+    Raises:
+        TrainConfigError: (a ValueError) a field is invalid; ``.field`` names it.
+    """
+
+    out_dir: str
+    speedup: float | None = None
+    speedups: tuple[float, ...] | None = None
+    max_layers: int | None = None
+    min_layers: int | None = None
+    warmup_layers: int = 1
+    horizon: int | None = None
+    task: str | None = None
+    max_length: int = 256
+    val_fraction: float = 0.0
+    max_val_examples: int = 256
+    skip_bad_rows: bool = False
+    chat: bool | None = None
+    response_separator: str = " "
+    epochs: float = 1.0
+    max_steps: int | None = None
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr_scheduler: str = "cosine"
+    warmup_ratio: float = 0.05
+    warmup_steps: int | None = None
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    teacher_forcing: str = "sparse"
+    prompt_grad: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = False
+    distill: bool = False
+    kl_weight: float = 0.0
+    distill_max_new_tokens: int = 64
+    distill_batch_size: int = 16
+    lora_r: int = 0
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    base_model: str | None = None
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    save_total_limit: int = 1
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir).strip():
+            _fail("out_dir", f"must be a non-empty path, got {self.out_dir!r}")
+        object.__setattr__(self, "out_dir", str(self.out_dir))
+        _check_schedule(self)
+        _check_data(self)
+        _check_optimisation(self)
+        _check_distill_lora(self)
+        _check_run(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict of all fields."""
+        d = asdict(self)
+        if d["speedups"] is not None:
+            d["speedups"] = list(d["speedups"])
+        return d
+
+
+def _fail(name: str, reason: str) -> None:
+    raise TrainConfigError(name, reason)
+
+
+def _check_int(c: "TrainConfig", name: str, low: int, *, optional: bool = False) -> None:
+    v = getattr(c, name)
+    if optional and v is None:
+        return
+    if not _is_int(v) or v < low:
+        _fail(name, f"must be an integer >= {low}, got {v!r}")
+
+
+def _check_bool(c: "TrainConfig", name: str, *, optional: bool = False) -> None:
+    v = getattr(c, name)
+    if optional and v is None:
+        return
+    if not isinstance(v, bool):
+        _fail(name, f"must be true or false, got {v!r}")
+
+
+def _check_schedule(c: "TrainConfig") -> None:
+    if c.speedup is not None and (not _is_num(c.speedup) or c.speedup < 1):
+        _fail("speedup", f"must be a finite number >= 1, got {c.speedup!r}")
+    if c.speedups is not None:
+        if isinstance(c.speedups, (str, bytes)) or not isinstance(c.speedups, Sequence):
+            _fail("speedups", f"must be a list of numbers >= 1, got {c.speedups!r}")
+        values = tuple(c.speedups)
+        if not values:
+            _fail("speedups", "must hold at least one speedup")
+        for v in values:
+            if not _is_num(v) or v < 1:
+                _fail("speedups", f"must hold finite numbers >= 1, got {v!r}")
+        if len(set(values)) != len(values):
+            _fail("speedups", f"must not repeat a value, got {list(values)}")
+        object.__setattr__(c, "speedups", tuple(float(v) for v in values))
+    _check_int(c, "max_layers", 1, optional=True)
+    _check_int(c, "min_layers", 1, optional=True)
+    explicit = c.max_layers is not None or c.min_layers is not None
+    given = [n for n, on in (("speedup", c.speedup is not None), ("speedups", c.speedups is not None),
+                             ("max_layers", explicit)) if on]
+    if not given:
+        _fail("speedup", "is required: give speedup, speedups, or max_layers/min_layers (speedup=1 for full depth)")
+    if len(given) > 1:
+        _fail(given[1], f"cannot be combined with {given[0]}: give one way to set the schedule")
+    if c.max_layers is not None and c.min_layers is not None and c.min_layers > c.max_layers:
+        _fail("min_layers", f"must be <= max_layers ({c.max_layers}), got {c.min_layers}")
+    _check_int(c, "warmup_layers", 0)
+    _check_int(c, "horizon", 1, optional=True)
+
+
+def _check_data(c: "TrainConfig") -> None:
+    if c.task is not None and c.task not in TEMPLATES:
+        _fail("task", f"must be one of {', '.join(sorted(TEMPLATES))}, got {c.task!r}")
+    _check_int(c, "max_length", 2)
+    if not _is_num(c.val_fraction) or not 0 <= c.val_fraction < 1:
+        _fail("val_fraction", f"must be in [0, 1), got {c.val_fraction!r}")
+    _check_int(c, "max_val_examples", 1)
+    _check_bool(c, "skip_bad_rows")
+    _check_bool(c, "chat", optional=True)
+    if not isinstance(c.response_separator, str):
+        _fail("response_separator", f"must be a string, got {c.response_separator!r}")
+
+
+def _check_optimisation(c: "TrainConfig") -> None:
+    if not _is_num(c.epochs) or c.epochs <= 0:
+        _fail("epochs", f"must be a number > 0, got {c.epochs!r}")
+    _check_int(c, "max_steps", 1, optional=True)
+    if not _is_num(c.lr) or c.lr <= 0:
+        _fail("lr", f"must be a finite number > 0, got {c.lr!r}")
+    if not _is_num(c.weight_decay) or c.weight_decay < 0:
+        _fail("weight_decay", f"must be a number >= 0, got {c.weight_decay!r}")
+    _check_int(c, "batch_size", 1)
+    _check_int(c, "grad_accum", 1)
+    if c.lr_scheduler not in _SCHEDULERS:
+        _fail("lr_scheduler", f"must be one of {', '.join(_SCHEDULERS)}, got {c.lr_scheduler!r}")
+    if not _is_num(c.warmup_ratio) or not 0 <= c.warmup_ratio < 1:
+        _fail("warmup_ratio", f"must be in [0, 1), got {c.warmup_ratio!r}")
+    _check_int(c, "warmup_steps", 0, optional=True)
+    if not _is_num(c.max_grad_norm) or c.max_grad_norm < 0:
+        _fail("max_grad_norm", f"must be a number >= 0 (0: no clipping), got {c.max_grad_norm!r}")
+    _check_bool(c, "gradient_checkpointing")
+    _check_int(c, "seed", 0)
+    if not isinstance(c.device, str) or c.device not in _DEVICES:
+        _fail("device", f"must be one of {', '.join(_DEVICES)}, got {c.device!r}")
+    _check_bool(c, "bf16")
+    if c.teacher_forcing not in TEACHER_FORCING_MODES:
+        _fail("teacher_forcing", f"must be one of {', '.join(TEACHER_FORCING_MODES)}, got {c.teacher_forcing!r}")
+    _check_bool(c, "prompt_grad")
+    if not c.prompt_grad and c.gradient_checkpointing:
+        _fail("gradient_checkpointing", "cannot be combined with prompt_grad=false (Hugging Face checkpointed "
+                                        "layers drop the prompt's cached keys/values)")
+
+
+def _check_distill_lora(c: "TrainConfig") -> None:
+    _check_bool(c, "distill")
+    if not _is_num(c.kl_weight) or c.kl_weight < 0:
+        _fail("kl_weight", f"must be a number >= 0, got {c.kl_weight!r}")
+    _check_int(c, "distill_max_new_tokens", 1)
+    _check_int(c, "distill_batch_size", 1)
+    _check_int(c, "lora_r", 0)
+    if c.lora_alpha is not None and (not _is_num(c.lora_alpha) or c.lora_alpha <= 0):
+        _fail("lora_alpha", f"must be a number > 0, got {c.lora_alpha!r}")
+    if not _is_num(c.lora_dropout) or not 0 <= c.lora_dropout < 1:
+        _fail("lora_dropout", f"must be in [0, 1), got {c.lora_dropout!r}")
+    if c.lora_r == 0 and (c.lora_alpha is not None or c.lora_dropout):
+        _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1")
+    if c.base_model is not None and (not isinstance(c.base_model, str) or not c.base_model):
+        _fail("base_model", f"must be a non-empty string, got {c.base_model!r}")
+
+
+def _check_run(c: "TrainConfig") -> None:
+    _check_int(c, "eval_every", 0)
+    _check_int(c, "checkpoint_every", 0)
+    _check_int(c, "save_total_limit", 1)
+    _check_bool(c, "resume")
+    _check_bool(c, "progress")
+
+
+
+# Fields that must match to resume a run (everything that shapes data order, model or schedule).
+RESUME_FIELDS = (
+    "speedup", "speedups", "max_layers", "min_layers", "warmup_layers", "horizon", "task", "max_length",
+    "val_fraction", "max_val_examples", "chat", "response_separator", "epochs", "max_steps", "lr",
+    "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
+    "max_grad_norm", "seed", "distill", "kl_weight", "distill_max_new_tokens", "lora_r", "lora_alpha",
+    "lora_dropout", "skip_bad_rows", "prompt_grad",
+)
+
+
+def _speedup_label(s: float) -> str:
+    return format(float(s), "g")
+
+
+def build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[tuple[str, SkipPolicy]]:
+    """The ``(label, policy)`` pairs trained by ``config`` for a model of ``num_layers`` layers.
+
+    Labels are the speedups as text ("2", "2.5") or "custom" for explicit ``max_layers``/
+    ``min_layers``. The first pair is the checkpoint's default policy.
+
+    Args:
+        config: the run's settings.
+        num_layers: L (layers).
+        horizon: T (tokens), >= 1.
+
+    Raises:
+        TrainConfigError: a schedule the model cannot run (e.g. a speedup above L / (w + 1));
+            ``.field`` names the offending setting.
+    """
+    field_of = "speedups" if config.speedups else "speedup"
+    try:
+        if config.speedups:
+            return [(_speedup_label(s), for_speedup(num_layers, s, horizon, warmup_layers=config.warmup_layers))
+                    for s in config.speedups]
+        if config.speedup is not None:
+            return [(_speedup_label(config.speedup),
+                     for_speedup(num_layers, config.speedup, horizon, warmup_layers=config.warmup_layers))]
+        e_max = config.max_layers if config.max_layers is not None else num_layers
+        e_min = config.min_layers if config.min_layers is not None else e_max
+        return [("custom", LinearDecayPolicy(num_layers=num_layers, max_layers=e_max, min_layers=e_min,
+                                             warmup_layers=config.warmup_layers, horizon=horizon))]
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        if name in ("max_layers", "min_layers", "warmup_layers", "horizon"):
+            raise TrainConfigError(name, f"{rest} (model has {num_layers} layers)") from None
+        raise TrainConfigError(field_of, f"{rest} (model has {num_layers} layers)") from None
+

@@ -1,0 +1,62 @@
+"""The record of a training run (:class:`TrainResult`, ``out_dir/train_record.json``).
+
+Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.train`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    """The record of a run (also written to ``out_dir/train_record.json``).
+
+    Attributes:
+        out_dir: the run directory. final_dir: the trained model's directory (``out_dir/final``).
+        steps: optimizer steps done (all invocations). total_steps: steps planned.
+        examples_seen, tokens_seen, target_tokens_seen: examples, real tokens (prompt + response)
+            and response tokens processed by all processes, all invocations.
+        wall_seconds: wall time of this invocation (s), loading and saving included.
+        train_seconds: time spent in optimizer steps in this invocation (s).
+        tokens_per_second, target_tokens_per_second: tokens (all / response) processed per second
+            of optimizer-step time in this invocation.
+        train_log: per step ``{"step", "loss" (mean CE per response token, nats), "kl", "lr",
+            "speedup" (the policy label), "tokens", "seconds"}``.
+        val_log: per evaluation ``{"step", "loss" (mean over policies), "by_policy": {label: loss}}``.
+        policy: the default policy's dict. policies: ``{label: policy dict}``. horizon: T (tokens).
+        num_layers: L. lora: LoRA run. distill: distillation run.
+        data: what the run read and saw (spec, sha256, counts, examples/epochs seen).
+        resumed_from: the checkpoint this invocation continued, or None.
+        config: the :class:`TrainConfig` as a dict.
+    """
+
+    out_dir: str
+    final_dir: str | None
+    steps: int
+    total_steps: int
+    examples_seen: int
+    tokens_seen: int
+    target_tokens_seen: int
+    wall_seconds: float
+    train_seconds: float
+    tokens_per_second: float
+    target_tokens_per_second: float
+    train_log: list[dict] = field(default_factory=list)
+    val_log: list[dict] = field(default_factory=list)
+    policy: dict = field(default_factory=dict)
+    policies: dict = field(default_factory=dict)
+    horizon: int = 0
+    num_layers: int = 0
+    lora: bool = False
+    distill: bool = False
+    data: dict = field(default_factory=dict)
+    resumed_from: str | None = None
+    config: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict."""
+        return asdict(self)

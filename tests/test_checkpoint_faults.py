@@ -1,0 +1,170 @@
+"""Training and loading faults (issue 13 items 9-12): an output folder that cannot be written is
+found before the first step; a missing, empty, truncated or modified checkpoint file on resume is
+one error naming the file (CLI: exit 2); checksums recorded at save time catch a flipped byte;
+staging folders of killed saves are removed on resume; ``generate --model`` with a corrupt model
+or a policy that does not fit it is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_train import Killed, cfg, examples, tiny_skipmodel
+
+from skipdecode.train import TrainConfigError, latest_checkpoint, train
+from skipdecode.training.checkpoint import CheckpointError
+
+SETTINGS = dict(max_steps=3, checkpoint_every=2, speedup=2.0)
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Path:
+    """A run killed after its step-2 checkpoint (of 3 steps)."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+
+    def kill(info):
+        if info["step"] == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(tiny_skipmodel(), examples(), cfg(out, **SETTINGS), callback=kill)
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return dst, latest_checkpoint(dst)
+
+
+def _truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) - 10] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+FAULTS = {
+    "model truncated": ("model.safetensors", _truncate),
+    "model empty": ("model.safetensors", lambda p: p.write_bytes(b"")),
+    "model byte flipped": ("model.safetensors", _flip),
+    "optimizer truncated": ("train_state/optimizer.pt", _truncate),
+    "optimizer empty": ("train_state/optimizer.pt", lambda p: p.write_bytes(b"")),
+    "rng deleted": ("train_state/rng-0.pt", lambda p: p.unlink()),
+    "state empty object": ("train_state/state.json", lambda p: p.write_text("{}")),
+    "scheduler garbage": ("train_state/scheduler.pt", lambda p: p.write_bytes(b"not a torch file")),
+}
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no-checksums"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_resume_names_the_damaged_file(killed_run, tmp_path, fault, checksums):
+    """With the checksum record every fault is caught before loading; without it (an older
+    checkpoint) each reader still names its file (a flipped weight byte is then undetectable)."""
+    run, ckpt = _copy(killed_run, tmp_path)
+    rel, damage = FAULTS[fault]
+    if not checksums:
+        (ckpt / "train_state" / "checksums.json").unlink()
+        if fault == "model byte flipped":
+            pytest.skip("without checksums a flipped weight byte loads as a different weight")
+    damage(ckpt / rel)
+    with pytest.raises(CheckpointError) as info:
+        train(tiny_skipmodel(), examples(), cfg(run, resume=True, **SETTINGS))
+    err = info.value
+    assert err.field == "resume" and err.path == ckpt / rel, str(err)
+    assert rel.split("/")[-1] in str(err) and "\n" not in str(err)
+
+
+def test_checksums_cover_every_checkpoint_file(killed_run):
+    ckpt = latest_checkpoint(killed_run)
+    sums = json.loads((ckpt / "train_state" / "checksums.json").read_text())
+    files = {str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file()} - {"train_state/checksums.json"}
+    assert set(sums) == files and {"model.safetensors", "train_state/optimizer.pt"} <= files
+
+
+def test_resume_removes_leftover_staging_folders(killed_run, tmp_path):
+    run, _ = _copy(killed_run, tmp_path)
+    leftover = run / ".checkpoint-tmp-abc123" / "ckpt"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"x" * 100)
+    result = train(tiny_skipmodel(), examples(), cfg(run, resume=True, **SETTINGS))
+    assert result.steps == 3 and not list(run.glob(".checkpoint-tmp-*"))
+
+
+def test_out_dir_that_cannot_be_written_fails_before_training(tmp_path, monkeypatch):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    calls = []
+    for out in (a_file, a_file / "run"):
+        with pytest.raises(TrainConfigError) as info:
+            train(tiny_skipmodel(), examples(), cfg(out, max_steps=1), callback=calls.append)
+        assert info.value.field == "out_dir" and str(a_file) in str(info.value)
+    import skipdecode.training.checkpoint as ck
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ck.tempfile, "mkstemp", denied)  # root ignores chmod, so deny the probe
+    with pytest.raises(TrainConfigError, match="Permission denied") as info:
+        train(tiny_skipmodel(), examples(), cfg(tmp_path / "ro", max_steps=1), callback=calls.append)
+    assert info.value.field == "out_dir" and calls == []  # no step ran
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: one line, exit 2
+# ---------------------------------------------------------------------------------------------
+
+
+def _cli(args):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    res = CliRunner().invoke(app, args)
+    return res, " ".join(res.output.split())
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tiny_skipmodel().save_pretrained(root / "model")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
+    return root / "model", data
+
+
+def test_cli_train_resume_with_a_damaged_file_exits_2(cli_inputs, tmp_path):
+    model, data = cli_inputs
+    args = ["train", "--model", str(model), "--data", str(data), "--speedup", "2", "--max-steps", "1",
+            "--batch-size", "2", "--checkpoint-every", "1", "--no-progress", "--out", str(tmp_path / "run")]
+    res, _ = _cli(args)
+    assert res.exit_code == 0, res.output
+    _truncate(latest_checkpoint(tmp_path / "run") / "train_state" / "optimizer.pt")
+    res, text = _cli(args + ["--resume"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "--resume" in text and "optimizer.pt" in text
+    res, text = _cli(args[:-1] + [str(data)])  # --out naming an existing file
+    assert res.exit_code == 2 and "--out" in text and "is a file" in text
+
+
+def test_cli_generate_with_a_corrupt_model_or_misfit_policy_exits_2(cli_inputs, tmp_path):
+    model, _ = cli_inputs
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    _truncate(bad / "model.safetensors")
+    res, text = _cli(["generate", "--model", str(bad), "hello", "-n", "2"])
+    assert res.exit_code == 2 and "Traceback" not in res.output and "model.safetensors" in text
+    misfit = tmp_path / "misfit"
+    shutil.copytree(model, misfit)
+    meta = json.loads((misfit / "skipdecode.json").read_text())
+    meta["policy"] = {"type": "linear_decay", "num_layers": 30, "max_layers": 20, "min_layers": 10,
+                      "warmup_layers": 1, "horizon": 10}
+    (misfit / "skipdecode.json").write_text(json.dumps(meta))
+    res, text = _cli(["generate", "--model", str(misfit), "hello", "-n", "2"])
+    assert res.exit_code == 2 and "Traceback" not in res.output and "skipdecode.json" in text
