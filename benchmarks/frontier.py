@@ -22,7 +22,7 @@ evaluation and the frontier plot), ``<name>_eval_<model>.json`` (one report per 
 ``<name>_train_<model>.json`` (training records), ``<name>_steps.json`` (the step log and the BLEU
 gap to the equally trained 1x model). Prints the table, ends with one JSON line.
 
-    python benchmarks/frontier.py --threads 2 --no-progress                       # one epoch each (CPU: ~10 h)
+    python benchmarks/frontier.py --threads 2 --no-progress                       # one epoch each (2 cores: ~4.5 h)
     python benchmarks/frontier.py --recipe no-prompt-grad --epochs 2 --name frontier_2ep
     python benchmarks/frontier.py --dry-run                                         # the plan only
     python benchmarks/frontier.py --device cuda --bf16 --eval-dtype bfloat16 --epochs 5 --batch-size 64 \\

@@ -28,7 +28,7 @@ Writes ``<out>.json`` (table + curves; rewritten after every recipe, so an inter
 resumes: a recipe already in it is skipped), ``<out>.md`` and ``<out>.png`` (validation loss
 against train minutes), prints the table and ends with one JSON line.
 
-    python benchmarks/recipe_study.py --minutes 20 --threads 2 --no-progress     # the study (~3 h here)
+    python benchmarks/recipe_study.py --minutes 20 --threads 2 --no-progress     # the study (~3 h on 2 cores)
     python benchmarks/recipe_study.py --recipes labels,no-prompt-grad --minutes 5
 """
 
@@ -161,6 +161,19 @@ def _val_curve(record: dict) -> list[dict]:
             for v in record["val_log"]]
 
 
+def _base(model: str, runs: Path) -> str:
+    """``model`` itself when it is a folder, else a plain checkpoint of it saved once under ``runs/base``
+    (each recipe loads its start twice; this skips the GGUF dequantisation of the embedded model)."""
+    if Path(model).is_dir():
+        return model
+    path = runs / "base"
+    if not (path / "config.json").exists():
+        import skipdecode
+
+        skipdecode.load(model).save_pretrained(path)
+    return str(path)
+
+
 def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
     """Calibrate, train and evaluate one recipe; returns its table row (with curves)."""
     import skipdecode
@@ -168,7 +181,7 @@ def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
     from skipdecode.train import train
 
     r = RECIPES[name]
-    start = args.model if r.init == "base" else str(runs / "1x" / "final")
+    start = _base(args.model, runs) if r.init == "base" else str(runs / "1x" / "final")
     if r.init == "1x" and not Path(start).is_dir():
         _die(f"recipe {name} starts from {start}, which is missing: rerun the 1x recipe (--recipes 1x)")
 
