@@ -194,9 +194,20 @@ class Runner:
         self.step("base", save)
         return str(path)
 
+    def resumed_epochs(self) -> bool:
+        """On a resumed run, take ``epochs`` from a model already trained (so that every model sees
+        the same examples even when the first invocation cut them); True when one was found."""
+        for m in self.models:
+            record = self.out / f"{self.args.name}_train_{m['label']}.json"
+            if (self.runs / m["label"] / "final").is_dir() and record.exists():
+                self.log["epochs"] = json.loads(record.read_text())["config"]["epochs"]
+                self.log["epochs_from"] = m["label"]
+                return True
+        return False
+
     def fit_deadline(self, base: str) -> None:
         """Cut ``epochs`` (equally for all models) so that training fits before the deadline."""
-        if self.deadline is None:
+        if self.resumed_epochs() or self.deadline is None:
             return
         import skipdecode
         from skipdecode.data import load_examples
@@ -241,6 +252,8 @@ class Runner:
             result = train(skipdecode.load(start), self.data, _train_config(self.args, entry, run_dir, self.log["epochs"]),
                            callback=deadline_callback(deadline))
             rec = result.to_dict()
+            rec.update(out_dir=repo_relative(rec["out_dir"]), final_dir=repo_relative(rec["final_dir"]))
+            rec["config"]["out_dir"] = repo_relative(rec["config"]["out_dir"])
             write_json_atomic(record_path, rec)
             return "ok", {"train_steps": result.steps, "examples": result.examples_seen,
                           "train_minutes": result.train_seconds / 60, "record": repo_relative(record_path)}
@@ -271,6 +284,7 @@ class Runner:
                               progress=(not self.args.no_progress) if deadline is None else progress,
                               command=self.log["command"], data=repo_relative(self.test_data))
             report.meta["checkpoints"] = {label: repo_relative(final)}
+            report.meta["models"][label]["source"] = repo_relative(report.meta["models"][label]["source"])
             report.save(self.out, path.stem)
             return "ok", {"report": repo_relative(path)}
         self.step(f"eval {label}", go)

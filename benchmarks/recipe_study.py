@@ -209,7 +209,8 @@ def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
             "calibrated_seconds_per_step": sps, "train_minutes": result.train_seconds / 60,
             "wall_minutes": (time.perf_counter() - t0) / 60, "val_loss": curve[-1]["loss"] if curve else None,
             "dev_bleu": bleu["bleu"], "dev_theoretical_speedup": bleu["theoretical_speedup"],
-            "dev_generation_seconds": bleu["seconds"], "val_curve": curve, "config": rec["config"],
+            "dev_generation_seconds": bleu["seconds"], "val_curve": curve,
+            "config": {**rec["config"], "out_dir": repo_relative(rec["config"]["out_dir"])},
             "final_dir": repo_relative(result.final_dir) if Path(result.final_dir).exists() else None,
             "dev_generations": bleu["generations"]}
 

@@ -71,6 +71,17 @@ def test_frontier_trains_equal_budgets_evaluates_and_resumes(tmp_path, tiny_dir,
     again = json.loads((out / "fr_steps.json").read_text())
     assert [s["status"] for s in again["steps"]] == ["done already"] * 6
 
+    # a model retrained on resume sees the examples the others saw, whatever --epochs now says
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs" / "2x" / "final")
+    (out / "fr_eval_2x.json").unlink()
+    assert mod.main(_args(tiny_dir, csvs, tmp_path, "--epochs", "3", "--name", "fr")) == 0
+    third = json.loads((out / "fr_steps.json").read_text())
+    redo = next(s for s in third["steps"] if s["step"] == "train 2x")
+    assert redo["status"] == "ok" and redo["examples"] == trained["train 1x"]["examples"]
+    assert third["epochs"] == 0.5 and third["epochs_from"] == "1x"
+
 
 def test_frontier_deadline_cuts_training_equally(tmp_path, tiny_dir, csvs):
     mod = load_script("frontier")

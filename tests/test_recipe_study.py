@@ -123,3 +123,9 @@ def test_recipe_study_refuses_an_out_with_other_settings(tmp_path, tiny_dir, cap
         mod.main(["--model", str(tiny_dir), "--data", str(write_e2e_csv(tmp_path / "d.csv")), "--out", str(stem),
                   "--heldout-mrs", "3"])
     assert "other settings" in capsys.readouterr().err
+
+
+def test_repo_relative_paths_in_records():
+    common = load_script("study_common")
+    assert common.repo_relative(ROOT / "runs" / "x" / "final") == "runs/x/final"
+    assert common.repo_relative("/elsewhere/model") == "/elsewhere/model"
