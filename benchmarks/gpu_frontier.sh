@@ -12,10 +12,12 @@
 # `timeout` kills it at LIMIT_S as a last resort. Settings (environment):
 #   FRONTIER_MODEL  base model (default: the embedded smollm2-135m-instruct)
 #   FRONTIER_DATA   folder with devset.csv and testset_w_refs.csv (default: ../shared/data/e2e)
-#   DEVICE (cuda)  EPOCHS (5)  BATCH (64)  EVAL_BATCH (128)  LIMIT_S (540)  EVAL_RESERVE_MIN (4)
+#   DEVICE (cuda)  BF16 (1 on cuda: bf16 autocast in training, bf16 weights in evaluation)
+#   EPOCHS (5)  BATCH (64)  EVAL_BATCH (128)  LIMIT_S (540)  EVAL_RESERVE_MIN (4)
 #   RUNS (runs/gpu_frontier: models, not copied to OUT)  PYTHON (python)
 #   FRONTIER_ARGS   extra frontier.py options, e.g. "--recipe no-prompt-grad --mixed 2,3,5 --limit 200"
-# With DEVICE=cpu and a tiny model it runs on CPU (tests/test_frontier.py does, so a typo fails CI).
+# With DEVICE=cpu BF16=1 and a tiny model it runs on CPU (tests/test_frontier.py does, so a typo or a
+# bf16 dtype error fails CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -37,8 +39,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
   nvidia-smi -L 2>/dev/null
 } > "$OUT/env.txt" 2>&1
+BF16=${BF16:-$([ "$DEVICE" = cuda ] && echo 1 || echo 0)}
 GPU_ARGS=()
-if [ "$DEVICE" = cuda ]; then GPU_ARGS=(--bf16 --eval-dtype bfloat16); fi
+if [ "$BF16" = 1 ]; then GPU_ARGS=(--bf16 --eval-dtype bfloat16); fi
 LEFT=$((LIMIT_S - ($(date +%s) - START)))
 DEADLINE_MIN=$("$PY" -c "print(max(0.1, ($LEFT - 30) / 60))")
 # shellcheck disable=SC2086  # FRONTIER_ARGS is a list of options

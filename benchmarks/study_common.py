@@ -147,9 +147,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def repo_relative(path: Any) -> str:
-    """``path`` relative to the repository root when it lies inside it, else as given."""
+    """``path`` relative to the repository root when it lies inside it or beside it (the shared
+    data folder is ``../shared/data``), else as given."""
     p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    if p.is_relative_to(ROOT.parent):
+        return os.path.relpath(p, ROOT)
+    return str(path)

@@ -114,7 +114,7 @@ def test_frontier_dry_run_and_bad_input(tmp_path, tiny_dir, csvs, capsys):
 def test_gpu_frontier_script_runs_on_cpu_with_a_tiny_model(tmp_path, tiny_dir, csvs):
     dev, test = csvs
     env = {**os.environ, "FRONTIER_MODEL": str(tiny_dir), "FRONTIER_DATA": str(dev.parent), "DEVICE": "cpu",
-           "EPOCHS": "0.3", "BATCH": "4", "EVAL_BATCH": "4", "LIMIT_S": "120", "EVAL_RESERVE_MIN": "0.3", "FRONTIER_ARGS": "--mixed 2,3 --speedups 1,2",
+           "BF16": "1", "EPOCHS": "0.3", "BATCH": "4", "EVAL_BATCH": "4", "LIMIT_S": "120", "EVAL_RESERVE_MIN": "0.3", "FRONTIER_ARGS": "--mixed 2,3 --speedups 1,2",
            "RUNS": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     out = tmp_path / "OUT"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_frontier.sh"), str(out)], cwd=ROOT, env=env,
@@ -123,6 +123,9 @@ def test_gpu_frontier_script_runs_on_cpu_with_a_tiny_model(tmp_path, tiny_dir, c
     log = json.loads((out / "gpu_frontier_steps.json").read_text())
     assert [s["status"] for s in log["steps"]][-3:] == ["ok"] * 3  # the three evaluations
     assert (out / "gpu_frontier.png").exists() and (out / "env.txt").exists()
+    record = json.loads((out / "gpu_frontier_train_2x.json").read_text())
+    assert record["config"]["bf16"] is True  # the GPU settings ran, on CPU
+    assert "--eval-dtype bfloat16" in log["command"]
 
 
 def test_frontier_step_that_fails_is_logged_and_the_others_run(tmp_path, tiny_dir, csvs, capsys):

@@ -128,4 +128,5 @@ def test_recipe_study_refuses_an_out_with_other_settings(tmp_path, tiny_dir, cap
 def test_repo_relative_paths_in_records():
     common = load_script("study_common")
     assert common.repo_relative(ROOT / "runs" / "x" / "final") == "runs/x/final"
+    assert common.repo_relative(ROOT.parent / "shared" / "data" / "e2e" / "devset.csv") == "../shared/data/e2e/devset.csv"
     assert common.repo_relative("/elsewhere/model") == "/elsewhere/model"
