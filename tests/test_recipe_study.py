@@ -1,0 +1,132 @@
+"""The recipe study script (benchmarks/recipe_study.py) end to end on a tiny random model, a
+synthetic E2E-shaped CSV and a budget of a few seconds; plus the dev split by MR it relies on."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train import tiny_skipmodel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    """Import ``benchmarks/<name>.py`` as a module."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+NAMES = ["The Eagle", "The Mill", "Alimentum", "Blue Spice", "Zizzi", "Cotto", "Aromi", "Wildwood", "Strada"]
+FOODS = ["French", "Italian", "English", "Chinese"]
+
+
+def write_e2e_csv(path: Path, n_mrs: int = 9, refs_per_mr: int = 3) -> Path:
+    """An E2E-shaped CSV (columns mr, ref): ``n_mrs`` MRs with ``refs_per_mr`` references each."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mr", "ref"])
+        for i in range(n_mrs):
+            name, food = NAMES[i % len(NAMES)], FOODS[i % len(FOODS)]
+            for k in range(refs_per_mr):
+                w.writerow([f"name[{name}], food[{food}]", f"{name} serves {food} food{'.' * (k + 1)}"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    tiny_skipmodel(num_layers=8, chat=False).save_pretrained(path)
+    return path
+
+
+def test_split_by_mr_holds_out_whole_mrs(tmp_path):
+    from skipdecode.data import load_examples
+
+    common = load_script("study_common")
+    ex = load_examples(write_e2e_csv(tmp_path / "dev.csv"), task="e2e")
+    split = common.split_by_mr(ex, 3, seed=0)
+    held = {e.prompt for e in split.heldout}
+    assert len(held) == 3 and not held & {e.prompt for e in split.train}  # no MR on both sides
+    assert len(split.train) + len(split.heldout) == len(ex) == 27
+    assert [len(it.references) for it in split.items] == [3, 3, 3]
+    assert common.split_by_mr(ex, 3, seed=0).heldout_mrs == split.heldout_mrs  # seeded
+    with pytest.raises(ValueError, match="--heldout-mrs"):
+        common.split_by_mr(ex, 9, seed=0)
+
+
+def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
+    mod = load_script("recipe_study")
+    data = write_e2e_csv(tmp_path / "dev.csv")
+    stem = tmp_path / "study"
+    common = ["--model", str(tiny_dir), "--data", str(data), "--out", str(stem), "--runs", str(tmp_path / "runs"),
+              "--minutes", "0.02", "--max-steps", "3", "--speedup", "2", "--heldout-mrs", "3", "--batch-size", "4",
+              "--eval-batch-size", "4", "--calibration-steps", "2", "--evals", "2", "--no-progress"]
+    assert mod.main(common + ["--recipes", "labels,from-1x-kl"]) == 0
+    study = json.loads(stem.with_suffix(".json").read_text())
+    assert list(study["recipes"]) == ["1x", "labels", "from-1x-kl"]  # 1x added first: from-1x-kl starts from it
+    for row in study["recipes"].values():
+        assert 1 <= row["steps"] <= 3 and row["tokens"] > 0 and row["train_minutes"] > 0
+        assert 0 <= row["dev_bleu"] <= 100 and row["val_loss"] > 0
+        assert len(row["dev_generations"]) == 3 and row["val_curve"][0]["step"] == 0
+        assert row["val_curve"][-1]["step"] == row["steps"]
+    assert study["recipes"]["1x"]["policy"] == "1x" and study["recipes"]["labels"]["policy"] == "2x"
+    assert study["recipes"]["1x"]["dev_theoretical_speedup"] == 1.0
+    assert study["recipes"]["labels"]["dev_theoretical_speedup"] > 1.0
+    assert study["recipes"]["from-1x-kl"]["config"]["kl_weight"] == 1.0
+    assert study["recipes"]["from-1x-kl"]["init"] == "1x"
+    assert study["n_heldout_pairs"] == 9 and study["n_train_pairs"] == 18
+    assert (tmp_path / "runs" / "1x" / "final").is_dir() and not (tmp_path / "runs" / "labels" / "final").exists()
+    md = stem.with_suffix(".md").read_text()
+    assert "| from-1x-kl | 1x |" in md and stem.with_suffix(".png").stat().st_size > 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert set(json.loads(last)["recipe_study"]) == {"1x", "labels", "from-1x-kl"}
+
+    # resumable: finished recipes are skipped, a new one is added
+    before = stem.with_suffix(".json").read_text()
+    assert mod.main(common + ["--recipes", "labels,no-prompt-grad"]) == 0
+    again = json.loads(stem.with_suffix(".json").read_text())
+    assert again["recipes"]["labels"] == json.loads(before)["recipes"]["labels"]
+    assert list(again["recipes"]) == ["1x", "labels", "no-prompt-grad", "from-1x-kl"]
+    assert again["recipes"]["no-prompt-grad"]["config"]["prompt_grad"] is False
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipes", "labels,bogus"], "--recipes"),
+    (["--minutes", "0"], "--minutes"),
+    (["--heldout-mrs", "50"], "--heldout-mrs"),
+])
+def test_recipe_study_bad_input_is_a_one_line_error(tmp_path, tiny_dir, capsys, args, message):
+    mod = load_script("recipe_study")
+    data = write_e2e_csv(tmp_path / "dev.csv")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "s"), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_recipe_study_refuses_an_out_with_other_settings(tmp_path, tiny_dir, capsys):
+    mod = load_script("recipe_study")
+    stem = tmp_path / "s"
+    stem.with_suffix(".json").write_text(json.dumps({"settings": {"minutes": 99}, "recipes": {}}))
+    with pytest.raises(SystemExit):
+        mod.main(["--model", str(tiny_dir), "--data", str(write_e2e_csv(tmp_path / "d.csv")), "--out", str(stem),
+                  "--heldout-mrs", "3"])
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_repo_relative_paths_in_records():
+    common = load_script("study_common")
+    assert common.repo_relative(ROOT / "runs" / "x" / "final") == "runs/x/final"
+    assert common.repo_relative(ROOT.parent / "shared" / "data" / "e2e" / "devset.csv") == "../shared/data/e2e/devset.csv"
+    assert common.repo_relative("/elsewhere/model") == "/elsewhere/model"
