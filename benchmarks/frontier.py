@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_study import RECIPES  # noqa: E402
 from study_common import (  # noqa: E402
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         _die(str(e))
     if args.dry_run:
         steps = math.ceil(args.epochs * 0.95 * n_pairs / args.batch_size)
-        print(json.dumps({"recipe": args.recipe, "models": models, "train_pairs": n_pairs, "epochs": args.epochs,
+        print(dumps({"recipe": args.recipe, "models": models, "train_pairs": n_pairs, "epochs": args.epochs,
                           "steps_per_model_about": steps, "test_items": len(items), "device": args.device}))
         return 0
     import torch
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [f"{s['step']}: {s['status']}" for s in steps if s["status"].startswith("failed")]
     for line in failed:
         print(f"error: {line}", file=sys.stderr)
-    print(json.dumps({"frontier": gaps, "steps": steps, "json": repo_relative(runner.steps_path)}))
+    print(dumps({"frontier": gaps, "steps": steps, "json": repo_relative(runner.steps_path)}))
     return 1 if failed else 0
 
 

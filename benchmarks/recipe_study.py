@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_common import (  # noqa: E402
     dev_bleu,
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     print(to_markdown(study))
     summary = {n: {"steps": r["steps"], "train_minutes": round(r["train_minutes"], 2), "val_loss": r["val_loss"],
                    "dev_bleu": r["dev_bleu"]} for n, r in study["recipes"].items()}
-    print(json.dumps({"recipe_study": summary, "json": repo_relative(stem.with_suffix(".json"))}))
+    print(dumps({"recipe_study": summary, "json": repo_relative(stem.with_suffix(".json"))}))
     return 0
 
 

@@ -7,7 +7,6 @@ Not a library module: the benchmark scripts import it from their own folder.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -15,6 +14,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
 from typing import Any, Callable, Sequence
 
 __all__ = ["DevSplit", "split_by_mr", "DeadlineReached", "deadline_callback", "seconds_per_step",
@@ -142,7 +143,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write ``data`` as indented JSON to ``path`` through a temporary file and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
