@@ -25,6 +25,7 @@ __all__ = [
     "StreamChunk",
     "GenerationResult",
     "generate_step",
+    "sample_rows",
     "encode_prompts",
     "stream_generate",
     "generate",
@@ -57,6 +58,19 @@ class StepOutput:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next tokens (B,) for ``logits`` (B, V): one greedy :class:`Sampler` for the whole batch
+    (``len(samplers) == 1``), else ``samplers[b]`` (row b's own generator) draws row b from
+    ``logits[b]`` with history ``input_ids[b]`` (B, K).
+
+    Raises:
+        RuntimeError: NaN logits (see :class:`Sampler`).
+    """
+    if len(samplers) == 1:
+        return samplers[0](logits, input_ids)
+    return torch.cat([s(logits[b : b + 1], input_ids[b : b + 1]) for b, s in enumerate(samplers)])
 
 
 @torch.inference_mode()
@@ -115,7 +129,10 @@ def generate_step(
             f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({adapter.num_layers})"
         )
     device = input_ids.device
-    sampler = Sampler(sampling or SamplingParams(), device=device)
+    # one generator per row (each seeded with the seed): a row's samples never depend on its
+    # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
+    params = sampling or SamplingParams()
+    samplers = [Sampler(params, device=device) for _ in range(1 if params.greedy else B)]
     cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
     mask = attention_mask.long()
@@ -135,7 +152,7 @@ def generate_step(
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
-        next_tokens = sampler(logits, all_ids)
+        next_tokens = sample_rows(samplers, logits, all_ids)
         emitted = ~finished
         next_tokens = torch.where(emitted, next_tokens, torch.full_like(next_tokens, pad_token_id))
         if eos.numel():
@@ -156,7 +173,7 @@ def generate_step(
         if bool(finished.all()):
             return
         tokens = next_tokens[:, None]
-        if not sampler.params.greedy:  # only the logits warpers read the history
+        if not params.greedy:  # only the logits warpers read the history
             all_ids = torch.cat([all_ids, tokens], dim=1)
 
 
