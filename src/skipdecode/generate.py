@@ -27,6 +27,7 @@ __all__ = [
     "generate_step",
     "sample_rows",
     "encode_prompts",
+    "RowText",
     "stream_generate",
     "generate",
 ]
@@ -365,6 +366,64 @@ def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
     return best
 
 
+class RowText:
+    """The text of one generated row, built token by token, and the deltas to stream.
+
+    Args:
+        tokenizer: the model's HF tokenizer (decodes with ``skip_special_tokens``).
+        eos_token_ids: ids that end the row (left out of the text).
+        stop: stop strings; the text is cut before the first one found.
+
+    Attributes:
+        ids: generated ids so far (a final EOS included).
+        text: the row's text so far (EOS left out, cut at a stop string).
+        reason: "length", "eos" (an EOS id was pushed) or "stop" (:meth:`stopped` found one).
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.printed = ""
+        self.reason = "length"
+
+    def stopped(self, ids: Sequence[int]) -> bool:
+        """True (and reason "stop") when the text of ``ids`` contains a stop string."""
+        if not self.stop:
+            return False
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if any(s in text for s in self.stop):
+            self.reason = "stop"
+            return True
+        return False
+
+    def push(self, token: int, final: bool) -> str:
+        """Add generated ``token``; ``final`` when the row ends with it. Returns the new text to
+        stream ("" when nothing visible is new)."""
+        self.ids.append(token)
+        if token in self.eos:
+            self.reason = "eos"
+        text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
+        if self.reason == "stop":
+            cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
+            text = text[:cut]
+        self.text = text
+        # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
+        # row's next token completes it or the row ends, so deltas never need rewriting.
+        shown = text if final else text.rstrip("\ufffd")
+        if not final:
+            # Likewise hold back a tail that may begin a stop string: it is cut if the stop
+            # string completes on a later token, and a streamed delta cannot be taken back.
+            shown = shown[: len(shown) - _partial_stop_len(shown, self.stop)]
+        if shown.startswith(self.printed) and len(shown) > len(self.printed):
+            delta = shown[len(self.printed) :]
+            self.printed = shown
+            return delta
+        return ""
+
+
 def stream_generate(
     adapter: Adapter,
     tokenizer,
@@ -398,20 +457,10 @@ def stream_generate(
     stop = [s for s in stop if s]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     B = input_ids.shape[0]
-    texts = [""] * B
-    printed = [""] * B
-    ids_out: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
-    eos_set = set(eos_token_ids)
+    rows = [RowText(tokenizer, eos_token_ids, stop) for _ in range(B)]
 
     def stop_fn(row: int, ids: list[int]) -> bool:
-        if not stop:
-            return False
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if any(s in text for s in stop):
-            reasons[row] = "stop"
-            return True
-        return False
+        return rows[row].stopped(ids)
 
     steps = generate_step(
         adapter,
@@ -438,32 +487,14 @@ def stream_generate(
         finished_now = out.finished.tolist()
         deltas = [""] * B
         for row in range(B):
-            if not emitted[row]:
-                continue
-            ids_out[row].append(column[row])
-            if column[row] in eos_set:
-                reasons[row] = "eos"
-            text = tokenizer.decode([t for t in ids_out[row] if t not in eos_set], skip_special_tokens=True)
-            if reasons[row] == "stop":
-                cut = min((text.find(s) for s in stop if s in text), default=len(text))
-                text = text[:cut]
-            texts[row] = text
-            # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
-            # row's next token completes it or the row ends, so deltas never need rewriting.
-            final = finished_now[row] or out.step == max_new_tokens - 1
-            shown = text if final else text.rstrip("\ufffd")
-            if not final:
-                # Likewise hold back a tail that may begin a stop string: it is cut if the stop
-                # string completes on a later token, and a streamed delta cannot be taken back.
-                shown = shown[: len(shown) - _partial_stop_len(shown, stop)]
-            if shown.startswith(printed[row]) and len(shown) > len(printed[row]):
-                deltas[row] = shown[len(printed[row]) :]
-                printed[row] = shown
+            if emitted[row]:
+                final = finished_now[row] or out.step == max_new_tokens - 1
+                deltas[row] = rows[row].push(column[row], final)
         yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist())
     record.update(
-        texts=texts,
-        token_ids=ids_out,
-        finish_reasons=reasons,
+        texts=[r.text for r in rows],
+        token_ids=[r.ids for r in rows],
+        finish_reasons=[r.reason for r in rows],
         prompt_tokens=attention_mask.sum(-1).tolist(),
         batch_size=B,
     )

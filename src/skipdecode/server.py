@@ -3,9 +3,11 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``GET /health``. Besides the OpenAI fields, a request may
 carry the SkipDecode fields ``speedup`` or ``max_layers``/``min_layers``/``warmup_layers``/``horizon``;
-the response's ``usage`` carries the generation statistics (``skipdecode`` key). A completions
-request with a list of prompts runs as one left-padded batch. Requests are served one batch at a
-time (a lock around the engine). ``GET /v1/models/{model}`` retrieves the served model.
+the response's ``usage`` carries the generation statistics (``skipdecode`` key). Concurrent
+requests share forward passes: each prompt is a row of one in-flight batch with its own decode
+step and policy (:mod:`skipdecode.scheduler`, no global lock); a completions request with a list
+of prompts gives several rows. A full waiting queue answers 429; a client that disconnects has its
+rows cancelled at the next step. ``GET /v1/models/{model}`` retrieves the served model.
 
 Streaming: with ``"stream_options": {"include_usage": true}`` (only allowed with ``stream: true``)
 one last chunk before ``data: [DONE]`` has ``choices: []`` and the ``usage`` of the non-streamed
@@ -20,23 +22,24 @@ names it; 404 for an unknown model or route; 500 with type ``server_error`` for 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
-import threading
 import time
 import uuid
-from typing import Any, Iterator, List, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, AsyncIterator, List, Literal, Mapping, Optional, Sequence, Union
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import GenerationResult, stream_generate
+from .execution import Executor, Job, Submission
 from .model import SkipModel
 from .sampling import SamplingParams
+from .scheduler import QueueFull, Scheduler
 
 __all__ = ["create_app", "APIError", "CompletionRequest", "ChatCompletionRequest", "StreamOptions"]
 
@@ -48,8 +51,9 @@ class APIError(HTTPException):
     ``invalid_request_error``.
     """
 
-    def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None):
-        super().__init__(status_code=status_code, detail=message)
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
+                 headers: Optional[Mapping[str, str]] = None):
+        super().__init__(status_code=status_code, detail=message, headers=dict(headers) if headers else None)
         self.param = param
         self.kind = kind or _default_kind(status_code)
 
@@ -196,8 +200,22 @@ def _stops(stop: Optional[Union[str, List[str]]]) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
+def create_app(
+    model: SkipModel,
+    model_name: str = "skipdecode",
+    *,
+    max_batch_size: int = 32,
+    max_waiting: int = 256,
+    serial: bool = False,
+    max_request_bytes: int = 1_000_000,
+) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
+
+    Requests share forward passes through one in-flight :class:`~skipdecode.scheduler.Scheduler`
+    (``max_batch_size`` rows decode at once, ``max_waiting`` rows may wait for a slot; a full
+    queue answers 429). ``serial`` serves one row at a time (the one-at-a-time design, kept for
+    comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
+    before it is read. The app's ``state.scheduler`` is the scheduler (``/health`` reports it).
 
     Every error answers OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``:
     bad request values (a bad policy, an empty prompt, a prompt longer than the context, a schema
@@ -206,7 +224,18 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
     unexpected exception answers 500 (type ``server_error``).
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server")
-    lock = threading.Lock()
+    scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting)
+    executor = Executor(model, scheduler)
+    app.state.scheduler = scheduler
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            return _error_response(
+                413, f"the request body is {length} bytes; this server accepts at most {max_request_bytes} "
+                "(max_request_bytes)")
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -265,16 +294,29 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         return tok.apply_chat_template([m.model_dump() for m in messages], add_generation_prompt=True, tokenize=False)
 
-    def run(prompts: list[str], req: CommonFields, kind: str):
-        policy, sampling = policy_of(req), sampling_of(req)
-        with lock:
-            try:
-                return model.generate(
-                    prompts, max_new_tokens=req.max_tokens, policy=policy, temperature=sampling.temperature,
-                    top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, stop=_stops(req.stop), chat=False,
-                )
-            except ValueError as e:
-                raise APIError(400, str(e), param=engine_param(str(e), kind)) from None
+    async def submit(prompts: list[str], req: CommonFields, kind: str) -> Submission:
+        """Validate and queue a request: 400 for a bad value (lengths included), 429 for a full queue."""
+        job = Job(prompts, req.max_tokens, policy_of(req), sampling_of(req), _stops(req.stop))
+        try:
+            return await executor.submit(job)
+        except ValueError as e:
+            raise APIError(400, str(e), param=engine_param(str(e), kind)) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+
+    async def collect(sub: Submission, request: Request):
+        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
+        try:
+            while not sub.finished:
+                try:
+                    await sub.next(timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return None
+            return sub.result(model.num_layers)
+        finally:
+            if not sub.finished:
+                sub.cancel()
 
     def usage(result) -> dict[str, Any]:
         """OpenAI ``usage`` (tokens) plus ``skipdecode``: the run's statistics (NaN as null)."""
@@ -286,55 +328,47 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
             "skipdecode": stats,
         }
 
-    def stream(prompts: list[str], req: CommonFields, kind: str) -> Iterator[str]:
+    async def stream(sub: Submission, req: CommonFields, kind: str) -> AsyncIterator[str]:
         """Server-sent events of one request: text deltas, each row's finish reason, with
-        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``."""
-        policy, sampling = policy_of(req), sampling_of(req)
+        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``.
+        If the client goes away, the generator is closed and the rows are cancelled."""
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        with lock:
-            record: dict = {}  # filled by stream_generate when it ends: the run's statistics
-            chunks = stream_generate(
-                model.adapter, model.tokenizer, prompts, policy=policy, sampling=sampling,
-                max_new_tokens=req.max_tokens, stop=_stops(req.stop), chat=False, _record=record,
-            )
-            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n = len(sub.requests)
 
-            def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
-                body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-                if include_usage:
-                    body["usage"] = use  # OpenAI: null on every chunk but the last
-                return "data: " + json.dumps(body) + "\n\n"
+        def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = use  # OpenAI: null on every chunk but the last
+            return "data: " + json.dumps(body) + "\n\n"
 
-            def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
-                if kind == "chat":
-                    delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-                    choice = {"index": i, "delta": delta, "finish_reason": finish}
-                else:
-                    choice = {"index": i, "text": text or "", "finish_reason": finish}
-                return sse([choice])
-
+        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
             if kind == "chat":
-                for i in range(len(prompts)):
+                delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+                choice = {"index": i, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text or "", "finish_reason": finish}
+            return sse([choice])
+
+        try:
+            if kind == "chat":
+                for i in range(n):
                     yield event(i, role=True)
-            ended: set[int] = set()
-            try:
-                for chunk in chunks:
-                    for i, delta in enumerate(chunk.deltas):
-                        if delta:
-                            yield event(i, delta)
-                        if chunk.finished[i] and i not in ended:  # EOS or a stop string
-                            ended.add(i)
-                            yield event(i, finish="stop")
-                for i in range(len(prompts)):
-                    if i not in ended:
-                        yield event(i, finish="length")
-                if include_usage:
-                    yield sse([], usage(GenerationResult.from_record(record, model.num_layers, policy)))
-            except ValueError as e:  # headers are sent: the error travels as an event
-                err = _error_body(str(e), "invalid_request_error", engine_param(str(e), kind))
-                yield "data: " + json.dumps(err) + "\n\n"
+            while not sub.finished:
+                i, delta, finished = await sub.next()
+                if delta:
+                    yield event(i, delta)
+                if finished:
+                    yield event(i, finish=reason(sub.texts[i].reason))
+            if include_usage:
+                yield sse([], usage(sub.result(model.num_layers)))
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
+            yield "data: " + json.dumps(_error_body(f"generation failed ({type(e).__name__})", "server_error")) + "\n\n"
+        finally:
+            if not sub.finished:
+                sub.cancel()
         yield "data: [DONE]\n\n"
 
     def reason(r: str) -> str:
@@ -342,7 +376,8 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "num_layers": model.num_layers, "policy": model.policy.to_dict()}
+        return {"status": "ok", "num_layers": model.num_layers, "policy": model.policy.to_dict(),
+                "scheduler": scheduler.stats()}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -358,15 +393,17 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         return model_card()
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_request(req)
         prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         if not prompts:
             raise APIError(400, "prompt: must hold at least one string", param="prompt")
+        sub = await submit(prompts, req, "text")  # every check happens before the stream starts
         if req.stream:
-            policy_of(req), sampling_of(req)  # validate before the stream starts
-            return StreamingResponse(stream(prompts, req, "text"), media_type="text/event-stream")
-        result = run(prompts, req, "text")
+            return StreamingResponse(stream(sub, req, "text"), media_type="text/event-stream")
+        result = await collect(sub, request)
+        if result is None:
+            return Response(status_code=499)  # the client is gone
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}",
             "object": "text_completion",
@@ -380,13 +417,15 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         }
 
     @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
         prompt = chat_prompt(req.messages)
+        sub = await submit([prompt], req, "chat")
         if req.stream:
-            policy_of(req), sampling_of(req)
-            return StreamingResponse(stream([prompt], req, "chat"), media_type="text/event-stream")
-        result = run([prompt], req, "chat")
+            return StreamingResponse(stream(sub, req, "chat"), media_type="text/event-stream")
+        result = await collect(sub, request)
+        if result is None:
+            return Response(status_code=499)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
             "object": "chat.completion",
