@@ -200,6 +200,27 @@ def _stops(stop: Optional[Union[str, List[str]]]) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+class _BodyLimit:
+    """ASGI middleware: a body whose Content-Length exceeds ``max_request_bytes`` (bytes) answers
+    413 in OpenAI's error shape before it is read. (A pure ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` would hide the client's disconnect from the endpoints.)"""
+
+    def __init__(self, app, max_request_bytes: int) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_request_bytes:
+                response = _error_response(
+                    413, f"the request body is {int(length)} bytes; this server accepts at most "
+                    f"{self.max_request_bytes} (max_request_bytes)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     model: SkipModel,
     model_name: str = "skipdecode",
@@ -228,14 +249,7 @@ def create_app(
     executor = Executor(model, scheduler)
     app.state.scheduler = scheduler
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_request_bytes:
-            return _error_response(
-                413, f"the request body is {length} bytes; this server accepts at most {max_request_bytes} "
-                "(max_request_bytes)")
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -306,11 +320,16 @@ def create_app(
 
     async def collect(sub: Submission, request: Request):
         """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while not sub.finished:
                 try:
                     await sub.next(timeout=0.25)
                 except asyncio.TimeoutError:
+                    pass
+                if loop.time() - checked >= 0.25:  # look for a vanished client 4 times a second
+                    checked = loop.time()
                     if await request.is_disconnected():
                         return None
             return sub.result(model.num_layers)
