@@ -214,3 +214,37 @@ def test_seeded_sampling_same_text_alone_static_batch_and_inflight():
             Request(ids, 12, POLICIES[1], SAMPLED), Request(prompt(6, 61), 9, POLICIES[2])]
     _, results = run_inflight(adapter, reqs, [0, 2, 1])
     assert results[1][0] == alone
+
+
+TEXT_PROMPTS = ["The Eagle is", "Describe the restaurant in one sentence.", "name[The Eagle]", "The quick brown fox"]
+
+
+def test_generate_inflight_equals_static_batch_texts_and_reasons(tokenizer):
+    from skipdecode import SkipModel
+
+    sk = SkipModel(make_model("llama", L), tokenizer)
+    policy = POLICIES[1]
+    for stop in ((), ("e",)):
+        static = sk.generate(TEXT_PROMPTS, max_new_tokens=9, policy=policy, stop=stop)
+        inflight = sk.generate(TEXT_PROMPTS, max_new_tokens=9, policy=policy, stop=stop, max_batch_size=2)
+        assert inflight.texts == static.texts
+        assert inflight.token_ids == static.token_ids
+        assert inflight.finish_reasons == static.finish_reasons
+        # per row-step accounting: the same layers as each row alone
+        alone = [sk.generate([p], max_new_tokens=9, policy=policy, stop=stop) for p in TEXT_PROMPTS]
+        assert sorted(inflight.layers_run) == sorted(n for a in alone for n in a.layers_run)
+        assert inflight.theoretical_speedup == pytest.approx(
+            L * len(inflight.layers_run) / sum(inflight.layers_run))
+    if any(r != "length" for r in static.finish_reasons):
+        assert set(inflight.finish_reasons) == set(static.finish_reasons)
+
+
+def test_generate_inflight_seeded_samples_equal_alone(tokenizer):
+    from skipdecode import SkipModel
+
+    sk = SkipModel(make_model("llama", L), tokenizer)
+    kw = dict(max_new_tokens=8, temperature=1.0, seed=11)
+    alone = [sk.generate([p], **kw).texts[0] for p in TEXT_PROMPTS]
+    assert sk.generate(TEXT_PROMPTS, **kw).texts == alone
+    assert sk.generate(TEXT_PROMPTS, max_batch_size=3, **kw).texts == alone
+    assert sk.generate([TEXT_PROMPTS[0]], max_new_tokens=8, temperature=1.0, seed=12).texts[0] != alone[0]

@@ -140,6 +140,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.steps = 0
         self.generated_tokens = 0
+        self.prefill_seconds = 0.0  # totals over the engine's life (seconds)
+        self.decode_seconds = 0.0
+        self.decode_steps = 0  # steps that decoded at least one row
         self._cancelled: set[int] = set()
 
     # -- queue -------------------------------------------------------------------------------
@@ -239,6 +242,7 @@ class Engine:
         seconds = time.perf_counter() - start
         for row in rows:
             row.prefill_seconds = seconds
+        self.prefill_seconds += seconds
         self.running = sorted(self.running + rows, key=lambda row: row.slot)
         return self._emit(rows, logits, [self.adapter.num_layers] * len(rows), start)
 
@@ -266,7 +270,10 @@ class Engine:
         for i, r in enumerate(rows):
             r.length += 1
             r.layers_run.append(counts[i])
-        return self._emit(rows, logits, counts, start)
+        events = self._emit(rows, logits, counts, start)
+        self.decode_seconds += time.perf_counter() - start
+        self.decode_steps += 1
+        return events
 
     def _emit(self, rows: list[Row], logits: torch.Tensor, counts: list[int], start: float) -> list[TokenEvent]:
         """Sample one token per row from ``logits`` (B, V), record it, end rows that are done."""
