@@ -265,7 +265,7 @@ class Engine:
         view = self.cache.view(slots, positions, K)
         logits = skip_forward(
             self.adapter, tokens.to(self.device), mask.to(self.device),
-            row_layers=row_layers.to(self.device), cache=view,
+            row_layers=row_layers, cache=view,
         )[:, -1]
         for i, r in enumerate(rows):
             r.length += 1

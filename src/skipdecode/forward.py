@@ -96,7 +96,7 @@ def _run_layer_on_rows(
 ) -> torch.Tensor:
     """Layer ``layer_idx`` on the rows where ``run`` (B,) bool is set; other rows of ``hidden``
     (B, 1, C) are returned unchanged. Checks each running row's cache length first (RuntimeError)."""
-    rows = run.nonzero().flatten()
+    rows = run.cpu().nonzero().flatten()  # the plan lives on the CPU: no device sync per layer
     B = hidden.shape[0]
     if rows.numel() == 0:
         return hidden
@@ -104,6 +104,7 @@ def _run_layer_on_rows(
     view.check(layer_idx)
     if rows.numel() == B:
         return adapter.run_layer(layer_idx, hidden, mask4d, view, extra)
+    rows = rows.to(hidden.device)
     sub_extra = {k: _take_rows(v, rows, B) for k, v in extra.items()}
     out = adapter.run_layer(layer_idx, hidden.index_select(0, rows), mask4d.index_select(0, rows), view, sub_extra)
     return hidden.index_copy(0, rows, out)
@@ -130,7 +131,7 @@ def skip_forward(
             positions come from it (:func:`positions_from_mask`), never from a cache length.
         active_layers: ascending layer indices to run for all T positions (None: all layers).
         layer_mask: (B, T, L) bool, per-position plan (teacher forcing); excludes ``cache``.
-        row_layers: (B, L) bool, per-row plan of an in-flight decode step (T = 1); needs a
+        row_layers: (B, L) bool (best on the CPU), per-row plan of an in-flight decode step (T = 1); needs a
             :class:`SlotView` cache whose rows end at their own positions: ``attention_mask``
             row b is 1 exactly on that row's history and new token (no padding inside a slot).
         cache: :class:`SkipCache`; every active layer must hold exactly K - T positions (with
