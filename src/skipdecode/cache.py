@@ -5,6 +5,10 @@ positions: the layers that ran at every step hold all of them, the bottom layers
 t hold ``prompt + t`` of them. :class:`SkipCache` keeps one preallocated buffer and one length per
 layer and implements the ``update(key, value, layer_idx, ...)`` contract that Hugging Face attention
 modules call, so the stock layers write into it unchanged. Nothing here reads "layer 0's length".
+
+For in-flight batching (rows at different steps, each with its own plan) :class:`SlotCache` keeps
+one slot per running request and one length per (layer, slot); a :class:`SlotView` is one decode
+step's window on it (METHOD.md "Rows at different steps in one forward").
 """
 
 from __future__ import annotations

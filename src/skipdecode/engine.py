@@ -13,7 +13,8 @@ request takes it at the next step.
 Sampling draws each row with its own :class:`~skipdecode.sampling.Sampler` (own generator, seeded by
 the request's seed), so a request's tokens never depend on its neighbours.
 
-The engine is synchronous and not thread-safe; :mod:`skipdecode.scheduler` runs it in a thread.
+The engine is synchronous and not thread-safe; :mod:`skipdecode.scheduler` runs it in a thread
+for the server, and :func:`generate_inflight` runs it on the caller's thread for many prompts.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import torch
 from .adapters import Adapter
 from .cache import SkipCache, SlotCache
 from .forward import skip_forward
+from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .policy import FullPolicy, SkipPolicy
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["Request", "Row", "TokenEvent", "Engine"]
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight"]
 
 
 @dataclass(eq=False)
@@ -331,3 +333,80 @@ class Engine:
                 if ev.finished:
                     done[id(ev.row.request)] = ev.row
         return [done[id(r)] for r in requests]
+
+
+def generate_inflight(
+    adapter: Adapter,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    policy: SkipPolicy | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    on_chunk: Callable[[StreamChunk], None] | None = None,
+    max_batch_size: int = 32,
+) -> GenerationResult:
+    """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
+    is a row with its own decode step; at most ``max_batch_size`` rows decode at once.
+
+    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
+    and in decode steps; ``layers_run`` holds one entry per row per decode step, and
+    ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
+    run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
+    :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
+    a token, ``active_layers`` the largest plan run in it).
+
+    Raises:
+        ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
+            (before anything runs); ``max_batch_size`` < 1.
+    """
+    policy = policy or FullPolicy(adapter.num_layers)
+    device = next(adapter.model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, prompts, chat=chat)
+    if eos_token_ids is None:
+        eos_token_ids = _eos_ids(tokenizer, adapter.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
+    texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
+    engine = Engine(adapter, max_batch_size)
+    requests = [
+        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
+                texts[i].stopped if texts[i].stop else None, tag=i)
+        for i in range(len(prompts))
+    ]
+    for r in requests:
+        engine.check(r)
+    for r in requests:
+        engine.submit(r)
+    layers_run: list[int] = []
+    finished = [False] * len(prompts)
+    while engine.busy:
+        events = engine.step()
+        deltas = [""] * len(prompts)
+        column = torch.full((len(prompts),), pad, dtype=torch.long)
+        for ev in events:
+            i = ev.row.request.tag
+            deltas[i] = texts[i].push(ev.token, ev.finished)
+            column[i] = ev.token
+            finished[i] = ev.finished
+            if ev.step > 0:
+                layers_run.append(ev.num_layers_run)
+        if on_chunk is not None and events:
+            widest = max(ev.num_layers_run for ev in events)
+            on_chunk(StreamChunk(engine.steps - 1, column.to(device), deltas, tuple(range(widest)), list(finished)))
+    return GenerationResult(
+        texts=[t.text for t in texts],
+        token_ids=[t.ids for t in texts],
+        finish_reasons=[t.reason for t in texts],
+        prompt_tokens=[len(r.prompt_ids) for r in requests],
+        new_tokens=[len(t.ids) for t in texts],
+        prefill_seconds=engine.prefill_seconds,
+        decode_seconds=engine.decode_seconds,
+        decode_steps=len(layers_run),
+        layers_run=layers_run,
+        num_layers=adapter.num_layers,
+        batch_size=min(max_batch_size, len(prompts)),
+        policy=policy.to_dict(),
+    )

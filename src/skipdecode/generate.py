@@ -30,7 +30,6 @@ __all__ = [
     "RowText",
     "stream_generate",
     "generate",
-    "generate_inflight",
 ]
 
 
@@ -519,7 +518,7 @@ def generate(
 
     Arguments as in :func:`stream_generate`; ``on_chunk`` is called with each streamed chunk.
     ``max_batch_size`` (rows) switches from one static batch to in-flight batching
-    (:func:`generate_inflight`): at most that many rows decode at once and a finished row's slot
+    (:func:`skipdecode.engine.generate_inflight`): at most that many rows decode at once and a finished row's slot
     goes to the next prompt at once, so a long row no longer holds the others. Greedy texts are
     the same either way; seeded samples too (one generator per row).
 
@@ -530,6 +529,8 @@ def generate(
         prompts = [prompts]
     policy = policy or FullPolicy(adapter.num_layers)
     if max_batch_size is not None:
+        from .engine import generate_inflight
+
         return generate_inflight(
             adapter, tokenizer, prompts, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
             stop=stop, chat=chat, eos_token_ids=eos_token_ids, on_chunk=on_chunk, max_batch_size=max_batch_size,
@@ -551,81 +552,3 @@ def generate(
             on_chunk(chunk)
     return GenerationResult.from_record(record, adapter.num_layers, policy)
 
-
-def generate_inflight(
-    adapter: Adapter,
-    tokenizer,
-    prompts: Sequence[str],
-    *,
-    policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
-    max_new_tokens: int = 64,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    eos_token_ids: Sequence[int] | None = None,
-    on_chunk: Callable[[StreamChunk], None] | None = None,
-    max_batch_size: int = 32,
-) -> GenerationResult:
-    """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
-    is a row with its own decode step; at most ``max_batch_size`` rows decode at once.
-
-    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
-    and in decode steps; ``layers_run`` holds one entry per row per decode step, and
-    ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
-    run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
-    :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
-    a token, ``active_layers`` the largest plan run in it).
-
-    Raises:
-        ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
-            (before anything runs); ``max_batch_size`` < 1.
-    """
-    from .engine import Engine, Request
-
-    policy = policy or FullPolicy(adapter.num_layers)
-    device = next(adapter.model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, prompts, chat=chat)
-    if eos_token_ids is None:
-        eos_token_ids = _eos_ids(tokenizer, adapter.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
-    texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
-    engine = Engine(adapter, max_batch_size)
-    requests = [
-        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
-                texts[i].stopped if texts[i].stop else None, tag=i)
-        for i in range(len(prompts))
-    ]
-    for r in requests:
-        engine.check(r)
-    for r in requests:
-        engine.submit(r)
-    layers_run: list[int] = []
-    finished = [False] * len(prompts)
-    while engine.busy:
-        events = engine.step()
-        deltas = [""] * len(prompts)
-        column = torch.full((len(prompts),), pad, dtype=torch.long)
-        for ev in events:
-            i = ev.row.request.tag
-            deltas[i] = texts[i].push(ev.token, ev.finished)
-            column[i] = ev.token
-            finished[i] = ev.finished
-            if ev.step > 0:
-                layers_run.append(ev.num_layers_run)
-        if on_chunk is not None and events:
-            widest = max(ev.num_layers_run for ev in events)
-            on_chunk(StreamChunk(engine.steps - 1, column.to(device), deltas, tuple(range(widest)), list(finished)))
-    return GenerationResult(
-        texts=[t.text for t in texts],
-        token_ids=[t.ids for t in texts],
-        finish_reasons=[t.reason for t in texts],
-        prompt_tokens=[len(r.prompt_ids) for r in requests],
-        new_tokens=[len(t.ids) for t in texts],
-        prefill_seconds=engine.prefill_seconds,
-        decode_seconds=engine.decode_seconds,
-        decode_steps=len(layers_run),
-        layers_run=layers_run,
-        num_layers=adapter.num_layers,
-        batch_size=min(max_batch_size, len(prompts)),
-        policy=policy.to_dict(),
-    )
