@@ -118,7 +118,7 @@ def test_stream_plus_40_concurrent_requests_all_complete(server):
 
 
 def test_client_closing_a_stream_after_3_events_frees_the_engine(server):
-    before = health(server)["scheduler"]
+    before = health(server).get("scheduler", {})
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server, timeout=30) as c:
@@ -132,7 +132,7 @@ def test_client_closing_a_stream_after_3_events_frees_the_engine(server):
         async with httpx.AsyncClient(base_url=server, timeout=10) as c:
             return await c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2})
 
-    assert run(scenario(), 30).status_code == 200
+    assert run(scenario(), 30).status_code == 200  # the next request is served (it used to hang)
     assert wait_until(lambda: health(server)["scheduler"]["running"] == 0, 5)
     after = health(server)["scheduler"]
     assert after["cancelled"] == before["cancelled"] + 1
@@ -140,7 +140,7 @@ def test_client_closing_a_stream_after_3_events_frees_the_engine(server):
 
 
 def test_abandoned_requests_stop_consuming_steps(server):
-    before = health(server)["scheduler"]
+    before = health(server).get("scheduler", {})
 
     async def abandon():
         async with httpx.AsyncClient(base_url=server, timeout=0.5) as c:
@@ -150,13 +150,14 @@ def test_abandoned_requests_stop_consuming_steps(server):
             await asyncio.gather(*(give_up(i) for i in range(6)))
 
     run(abandon(), 20)
+    time.sleep(1)  # time to notice the six disconnects
+    t0 = time.monotonic()
+    assert httpx.post(server + "/v1/completions", json={"prompt": "The", "max_tokens": 1}, timeout=30).status_code == 200
+    assert time.monotonic() - t0 < 3  # not queued behind 6 x 200 abandoned steps
     assert wait_until(lambda: health(server)["scheduler"]["running"] == 0, 5)
     after = health(server)["scheduler"]
     assert after["cancelled"] - before["cancelled"] == 6
     assert after["generated_tokens"] - before["generated_tokens"] < 6 * 100
-    t0 = time.monotonic()
-    assert httpx.post(server + "/v1/completions", json={"prompt": "The", "max_tokens": 1}, timeout=10).status_code == 200
-    assert time.monotonic() - t0 < 3
 
 
 def test_huge_prompt_is_refused_before_it_is_read(server):
