@@ -94,8 +94,8 @@ def test_finished_rows_are_replaced_and_match_solo(family):
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_hooks_count_exactly_the_rows_whose_plan_holds_each_layer():
-    adapter = adapter_of("llama")
+def test_hooks_count_exactly_the_rows_whose_plan_holds_each_layer(family):
+    adapter = adapter_of(family)
     seen: list[tuple[int, int]] = []
     handles = [
         layer.register_forward_hook(lambda m, a, kw_out, i=i: seen.append((i, a[0].shape[0])))
