@@ -195,6 +195,10 @@ class Engine:
         (each with its own plan), then prefill waiting requests into free slots (their token 0).
 
         Returns the step's :class:`TokenEvent` list (cancelled rows get none).
+
+        Raises:
+            RuntimeError: NaN logits (:class:`~skipdecode.sampling.Sampler`), or a layer about to
+                run for a row without that row's complete history (a non-monotone policy).
         """
         self._drop_cancelled()
         events = self._decode() if self.running else []
