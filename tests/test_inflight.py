@@ -248,3 +248,33 @@ def test_generate_inflight_seeded_samples_equal_alone(tokenizer):
     assert sk.generate(TEXT_PROMPTS, **kw).texts == alone
     assert sk.generate(TEXT_PROMPTS, max_batch_size=3, **kw).texts == alone
     assert sk.generate([TEXT_PROMPTS[0]], max_new_tokens=8, temperature=1.0, seed=12).texts[0] != alone[0]
+
+
+def test_scheduler_thread_serves_every_request_and_bounds_its_queue():
+    import threading
+
+    from skipdecode.scheduler import QueueFull, Scheduler
+
+    adapter = adapter_of("llama")
+    sched = Scheduler(adapter, max_batch_size=1, max_waiting=1)
+    try:
+        done = threading.Event()
+        got: dict[int, list[int]] = {0: [], 1: []}
+
+        def sink(ev):
+            got[ev.row.request.tag].append(ev.token)
+            if ev.finished and ev.row.request.tag == 1:
+                done.set()
+
+        a = Request(prompt(4, 1), 6, POLICIES[1], tag=0)
+        b = Request(prompt(5, 2), 6, POLICIES[2], tag=1)
+        sched.submit([a, b], sink)  # one slot free + one waiting: accepted
+        with pytest.raises(QueueFull, match="max_waiting"):
+            sched.submit([Request(prompt(3, 3), 2), Request(prompt(3, 4), 2)], sink)
+        assert done.wait(30)
+        assert got[0] == solo(adapter, list(a.prompt_ids), a.policy, 6)[0]
+        assert got[1] == solo(adapter, list(b.prompt_ids), b.policy, 6)[0]
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            sched.submit([Request(prompt(3, 5), 10_000)], sink)
+    finally:
+        sched.close()
