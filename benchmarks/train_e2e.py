@@ -36,7 +36,6 @@ All options: ``python benchmarks/train_e2e.py --help``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import shlex
@@ -165,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     import skipdecode
     from skipdecode.data import DataError, default_data_dir, load_examples
     from skipdecode.train import TrainConfig, TrainConfigError, measure_throughput, train
+    from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
 
     data = args.data
     if data is None:
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                            "discarded by torch.where), so training tokens/s does not depend on the policy; "
                            "active_fraction is the share a sparse implementation would compute")
         out = RESULTS / "train_throughput.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result))
+        out.write_text(dumps(result, indent=2) + "\n")
+        print(dumps(result))
         return 0
 
     tag = _tag(args, speedups)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     record.update(model=args.model, tag=tag, command=command, machine=_machine(device))
     json_path = RESULTS / f"train_e2e_{tag}.json"
     png_path = RESULTS / f"train_e2e_{tag}.png"
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    json_path.write_text(dumps(record, indent=2) + "\n")
     val = record["val_log"][-1]["loss"] if record["val_log"] else float("nan")
     plot(record, png_path, f"SmolLM2-135M on E2E, {tag} schedule: {result.steps} steps, "
                            f"{result.tokens_per_second:.0f} tok/s, final val {val:.3f}")
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "target_tokens_per_second", "horizon", "final_dir")}
     summary.update(final_train_loss=record["train_log"][-1]["loss"] if record["train_log"] else None,
                    final_val_loss=val, json=str(json_path), png=str(png_path))
-    print(json.dumps(summary))
+    print(dumps(summary))
     return 0
 
 

@@ -151,14 +151,15 @@ def test_prompts_file_and_arguments_batch(runner, chain_dir, tmp_path):
     assert data["stats"]["batch_size"] == 3
 
 
-def test_stop_and_sampling_flags(runner, chain_dir):
+def test_stop_and_sampling_flags(runner, chain_dir, random_dir):
     data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
                                     "--stop", "coffee"]))
     assert data["texts"] == ["The Eagle is a "] and data["finish_reasons"] == ["stop"]
-    # seeded sampling is reproducible from the command line
-    args = ["generate", "The Eagle", "--model", str(chain_dir), "-n", "8", "--json", "--temperature", "1.0", "--seed", "5"]
-    a, b = json_out(invoke(runner, args)), json_out(invoke(runner, args))
-    assert a["token_ids"] == b["token_ids"]
+    # seeded sampling is reproducible from the command line, and the seed matters: the random
+    # model's samples differ between seeds (the chain model's would not, issue 13 item 14)
+    args = ["generate", "The Eagle", "--model", str(random_dir), "-n", "12", "--json", "--temperature", "1.0", "--seed"]
+    a, b, c = (json_out(invoke(runner, args + [s])) for s in ("5", "5", "6"))
+    assert a["token_ids"] == b["token_ids"] and a["token_ids"] != c["token_ids"]
 
 
 @pytest.mark.parametrize(

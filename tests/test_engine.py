@@ -116,7 +116,7 @@ def test_sliding_window_matches_hf():
             if p.ndim >= 2:
                 p.normal_(0, 0.15)
     adapter = get_adapter(model)
-    assert adapter.sliding_window == 4
+    assert adapter.layer_windows == (4,) * NUM_LAYERS
     ids, mask = left_pad(prompts([9, 5]), 0)
     steps = run(adapter, ids, mask, None, 6, 0)
     with torch.no_grad():
@@ -301,15 +301,85 @@ def test_forward_hooks_see_exactly_the_plan(family, policy):
 # --------------------------------------------------------------------------------------------
 
 
-def test_padded_batch_logits_finite_everywhere(family):
-    model, adapter = model_and_adapter(family)
+def nan_on_empty_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention kernel that returns NaN for a query row with no allowed key, as SDPA or
+    flash kernels with -inf or boolean masks do on some versions and devices (PITFALLS 5):
+    entries of the additive mask below 0 become -inf before the softmax. (This torch's SDPA and
+    HF's eager attention turn a fully masked finfo.min row into a uniform softmax instead, so a
+    NaN guard cannot be tested through them.) Shapes: query (B, H, T, D), key/value
+    (B, H_kv, K, D), mask (B, 1, T, K); returns (B, T, H, D) and the weights."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-1, -2)) * scale
+    if attention_mask is not None:
+        scores = scores.masked_fill(attention_mask[..., : key.shape[-2]] < 0, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def mask_without_self_attention(attention_mask, num_queries, dtype, sliding_window=None):
+    """build_attention_mask minus its guard (each query may attend to itself): a left-padding
+    query then has no allowed key at all."""
+    allowed = (build_attention_mask(attention_mask, num_queries, dtype, sliding_window)[:, 0] == 0)
+    B, K = attention_mask.shape
+    q_idx = torch.arange(K - num_queries, K)[:, None]
+    k_idx = torch.arange(K)[None, :]
+    allowed = allowed & ((k_idx <= q_idx) & attention_mask.bool()[:, None, :])
+    return torch.zeros((B, 1, num_queries, K), dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def strict_model(family: str):
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("nan_on_empty_rows", nan_on_empty_rows_attention)
+    model = make_model(family, NUM_LAYERS)
+    model.set_attn_implementation("nan_on_empty_rows")
+    return model, get_adapter(model)
+
+
+def test_padded_batch_logits_finite_everywhere(family, monkeypatch):
+    """PITFALLS 5 with an attention kernel that really turns a fully masked row into NaN: a
+    left-padded batch (padding positions included, the prefill, skipped decode steps and
+    teacher forcing) stays finite everywhere, because no query row is fully masked. Without the
+    guard the same run does give NaN (checked below), so this test fails if the guard goes."""
+    model, adapter = strict_model(family)
     ids, mask = left_pad(prompts([9, 1, 4]), pad_id(model))
     with torch.no_grad():
         every_position = skip_forward(adapter, ids, mask)  # pad positions included
-    assert torch.isfinite(every_position).all()
+        all_layers = torch.ones(ids.shape + (NUM_LAYERS,), dtype=torch.bool)
+        teacher_forced = skip_forward(adapter, ids, mask, layer_mask=all_layers)
+    assert torch.isfinite(every_position).all() and torch.isfinite(teacher_forced).all()
     for policy in (None, SKIP):
         steps = run(adapter, ids, mask, policy, N_NEW, pad_id(model))
         assert torch.isfinite(logits_of(steps)).all()
+    # the check is sensitive: without the guard, this kernel gives NaN on the padding rows
+    monkeypatch.setattr(importlib.import_module("skipdecode.forward"), "build_attention_mask", mask_without_self_attention)
+    with torch.no_grad():
+        unguarded = skip_forward(adapter, ids, mask)
+    assert torch.isnan(unguarded[~mask.bool()]).any()
+
+
+def test_no_layer_receives_a_fully_masked_row(family):
+    """The guard itself, at the point of use: every mask any decoder layer receives (prefill,
+    skipped decode steps) has at least one allowed key per query row, for a batch whose padding
+    rows have no real key at all."""
+    model, adapter = model_and_adapter(family)
+    seen: list[torch.Tensor] = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["attention_mask"])
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in adapter.layers]
+    try:
+        ids, mask = left_pad(prompts([9, 1, 4]), pad_id(model))
+        run(adapter, ids, mask, SKIP, N_NEW, pad_id(model))
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(seen) >= NUM_LAYERS * 2
+    for m in seen:
+        assert (m == 0).any(-1).all()
 
 
 def brute_force_mask(attention_mask, num_queries, window=None):
@@ -429,16 +499,36 @@ def test_unknown_architecture_tiny_bert(tokenizer):
         SkipModel(bert, tokenizer)
 
 
-def test_context_overflow_raises(family):
+@pytest.mark.parametrize("prompt_len", [256, 250])
+def test_context_boundary_equals_hf(family, prompt_len):
+    """P + N - 1 positions are needed (the last new token is never fed back, issue 13 item 6):
+    a prompt filling all 256 positions gets 1 token and 250 + 7 fits, exactly as HF generate
+    returns them; one token more is refused with an error naming max_new_tokens."""
     model, adapter = model_and_adapter(family)
     limit = 256  # conftest: max_position_embeddings / n_positions
-    ids = torch.full((1, limit - 5), 7)
+    fits = limit - prompt_len + 1
+    ids = torch.tensor(prompts([prompt_len], seed=4))
     mask = torch.ones_like(ids)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        next(generate_step(adapter, ids, mask, max_new_tokens=6))
-    # exactly at the limit is allowed (and positions stay inside the table)
-    out = next(generate_step(adapter, ids, mask, max_new_tokens=5))
-    assert torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match=f"max_new_tokens <= {fits} fits"):
+        next(generate_step(adapter, ids, mask, max_new_tokens=fits + 1))
+    steps = run(adapter, ids, mask, None, fits, pad_id(model))
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=fits, do_sample=False, eos_token_id=None,
+                             pad_token_id=pad_id(model), output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(tokens_of(steps), ref.sequences[:, prompt_len:])
+    torch.testing.assert_close(logits_of(steps), torch.stack(ref.logits, 1), rtol=0, atol=1e-4)
+
+
+def test_context_check_is_shared_by_the_calm_baseline():
+    """The CALM baseline uses the same rule (one check, Adapter.check_context)."""
+    from skipdecode.calm import CalmConfig, calm_generate_ids
+
+    _, adapter = model_and_adapter("llama")
+    ids = torch.tensor(prompts([256], seed=4))
+    out = calm_generate_ids(adapter, ids, torch.ones_like(ids), CalmConfig(threshold=1.0), max_new_tokens=1)
+    assert len(out["token_ids"]) == 1
+    with pytest.raises(ValueError, match="max_new_tokens <= 1 fits"):
+        calm_generate_ids(adapter, ids, torch.ones_like(ids), CalmConfig(threshold=1.0), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])

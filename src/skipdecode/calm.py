@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import SkipCache
-from .forward import build_attention_mask, positions_from_mask, skip_forward
+from .forward import layer_attention_masks, positions_from_mask, skip_forward
 from .generate import GenerationResult, _eos_ids, encode_prompts
 
 __all__ = ["CalmConfig", "CalmResult", "calm_generate", "calm_generate_ids"]
@@ -177,11 +177,7 @@ def calm_generate_ids(
     L = adapter.num_layers
     if config.min_layers > L:
         raise ValueError(f"min_layers must be <= the model's {L} layers, got {config.min_layers}")
-    if adapter.max_positions is not None and P + max_new_tokens > adapter.max_positions:
-        raise ValueError(
-            f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of "
-            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens"
-        )
+    adapter.check_context(P, max_new_tokens)
     device = input_ids.device
     eos = set(int(i) for i in eos_token_ids)
     if cache is None:
@@ -206,11 +202,11 @@ def calm_generate_ids(
             K = mask.shape[1]
             position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (PITFALLS 1)
             hidden = adapter.embed(token, position_ids)  # (1, 1, C)
-            mask4d = build_attention_mask(mask, 1, hidden.dtype, adapter.sliding_window)
+            masks = layer_attention_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K)
             extra = adapter.layer_inputs(hidden, position_ids)
             exit_at, heads, logits = L, 0, None
             for layer_idx in range(L):
-                hidden = adapter.run_layer(layer_idx, hidden, mask4d, cache, extra)
+                hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
                 used = layer_idx + 1
                 if config.exits_early and config.min_layers <= used < L:
                     heads += 1
@@ -221,7 +217,7 @@ def calm_generate_ids(
             # CALM state propagation: upper layers get K/V computed from the exit state; their
             # outputs are discarded.
             for layer_idx in range(exit_at, L):
-                adapter.run_layer(layer_idx, hidden, mask4d, cache, extra)
+                adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
             if logits is None:  # ran every layer: exactly skip_forward's full-depth tail
                 logits = adapter.head(hidden[:, -1:])[:, -1]
             exit_layers.append(exit_at)

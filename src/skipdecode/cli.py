@@ -6,7 +6,6 @@ happen inside each command so ``--help`` is instant.
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 from typing import List, Optional
@@ -14,6 +13,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+from .jsonio import dumps
 
 app = typer.Typer(
     help="SkipDecode (arXiv 2307.02628): batch- and KV-cache-compatible layer skipping for fast decoding.",
@@ -115,7 +116,7 @@ def generate(
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (same seed, same tokens)."),
@@ -189,7 +190,7 @@ def generate(
         if live is not None:
             live.stop()
     if as_json:
-        print(json.dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
+        print(dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
                           "token_ids": result.token_ids, "stats": result.stats()}))
         return
     out.print()
@@ -211,7 +212,7 @@ def generate(
 def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP)) -> None:
     """Print the model's architecture, layer count and stored skip settings."""
     sk = load_model(model)
-    print(json.dumps({"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
+    print(dumps({"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
                       "policy": sk.policy.to_dict(), "chat": sk.chat, "skip_config": sk.skip_config}, indent=2))
 
 
@@ -396,7 +397,7 @@ def train(
     summary = {k: v for k, v in result.to_dict().items() if k not in ("train_log", "val_log", "config")}
     summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
     summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
-    print(json.dumps(summary))
+    print(dumps(summary))
 
 
 @app.command()
@@ -454,7 +455,7 @@ def bench(
             fail(f"--device {device}: CUDA is not available on this machine")
     import torch
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
     sk = load_model(model, device, dtype)
 
     def progress(msg: str) -> None:
@@ -490,7 +491,7 @@ def bench(
         f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {escape(str(path))}[/]",
         highlight=False,
     )
-    print(json.dumps(result), flush=True)
+    print(dumps(result), flush=True)
 
 
 def _check_can_listen(host: str, port: int) -> None:

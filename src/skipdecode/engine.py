@@ -158,12 +158,7 @@ class Engine:
         P = len(request.prompt_ids)
         if P == 0:
             raise ValueError("prompts: a prompt must hold at least one token")
-        limit = self.adapter.max_positions
-        if limit is not None and P + n > limit:
-            raise ValueError(
-                f"prompt length {P} + max_new_tokens {n} exceeds the model's context of {limit} positions; "
-                "shorten the prompt or lower max_new_tokens"
-            )
+        self.adapter.check_context(P, n)  # P + n - 1 positions: the last token is never fed back
         policy = request.policy
         if policy is not None and policy.num_layers != self.adapter.num_layers:
             raise ValueError(

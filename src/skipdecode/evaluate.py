@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .data import EvalItem
+from .jsonio import dumps, json_safe
 from .metrics import METRICS, score_all
 from .policy import FullPolicy, LinearDecayPolicy, SkipPolicy, policy_from_dict
 
@@ -140,7 +141,7 @@ def _policy_summary(policy: Any) -> str:
     d = policy.to_dict() if hasattr(policy, "to_dict") else dict(policy)
     if d.get("type") == "calm":
         return f"CALM early exit, top-2 margin >= {d['threshold']:g}, min {d['min_layers']} layers"
-    return json.dumps(d, sort_keys=True)
+    return dumps(d, sort_keys=True)
 
 
 def resolve_policy(model, spec: PolicySpec, *, horizon: int | None = None) -> tuple[str, SkipPolicy]:
@@ -293,17 +294,8 @@ class EvalRow:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict (NaN becomes None)."""
-        return _clean(asdict(self))
+        return json_safe(asdict(self))
 
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return None if math.isnan(obj) or math.isinf(obj) else obj
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def package_versions() -> dict[str, str]:
@@ -357,7 +349,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict: ``meta``, ``rows`` (with generations) and ``items``."""
-        return {"meta": _clean(self.meta), "rows": [r.to_dict() for r in self.rows], "items": self.items}
+        return {"meta": json_safe(self.meta), "rows": [r.to_dict() for r in self.rows], "items": self.items}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Report":
@@ -562,7 +554,7 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
         tmp = paths["json"].with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, paths["json"])
         paths["md"].write_text(self.to_markdown(), encoding="utf-8")
         self.plot(paths["png"], frontier=frontier)

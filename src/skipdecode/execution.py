@@ -1,7 +1,8 @@
-"""How the server executes a validated request: tokenize off the event loop, check it against the
-model (context length) before it is queued, hand its rows to the shared
-:class:`~skipdecode.scheduler.Scheduler`, and turn the engine's token events into text deltas and
-a :class:`~skipdecode.generate.GenerationResult` (the response's ``usage``).
+"""How the server executes a request validated by :func:`skipdecode.protocol.validate_request`
+(prompts already token ids, lengths already checked): check it against the engine before it is
+queued, hand its rows to the shared :class:`~skipdecode.scheduler.Scheduler`, and turn the
+engine's token events into text deltas and a :class:`~skipdecode.generate.GenerationResult` (the
+response's ``usage``).
 
 Nothing here holds a lock across an ``await`` or a ``yield``, and nothing blocks a worker thread
 while waiting for tokens, so a slow or vanished client can never stall the others (issue 10's two
@@ -11,30 +12,14 @@ hangs). A request whose client disconnects is cancelled: its rows leave the batc
 from __future__ import annotations
 
 import asyncio
-import threading
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 from .engine import Request, Row, TokenEvent
 from .generate import GenerationResult, RowText, _eos_ids
 from .model import SkipModel
-from .policy import SkipPolicy
-from .sampling import SamplingParams
 from .scheduler import Scheduler
 
-__all__ = ["Job", "Executor", "Submission"]
-
-
-@dataclass
-class Job:
-    """A validated request: ``prompts`` (already chat-templated), ``max_tokens`` (tokens per prompt),
-    ``policy``, ``sampling`` and ``stop`` strings."""
-
-    prompts: list[str]
-    max_tokens: int
-    policy: SkipPolicy
-    sampling: SamplingParams
-    stop: list[str]
+__all__ = ["Executor", "Submission"]
 
 
 class Submission:
@@ -44,7 +29,7 @@ class Submission:
     through an ``asyncio.Queue`` fed thread-safely by the engine thread.
     """
 
-    def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Job) -> None:
+    def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any) -> None:
         self.scheduler = scheduler
         self.requests = requests
         self.texts = texts
@@ -113,59 +98,28 @@ class Submission:
 
 
 class Executor:
-    """Builds :class:`Submission` objects for ``model`` on ``scheduler``.
-
-    Tokenization runs on a worker thread (``asyncio.to_thread``) under a lock of its own (a fast
-    tokenizer must not be reconfigured by two threads at once), never on the engine thread.
-    """
+    """Builds :class:`Submission` objects for ``model`` on ``scheduler``."""
 
     def __init__(self, model: SkipModel, scheduler: Scheduler) -> None:
         self.model = model
         self.scheduler = scheduler
         self.eos_token_ids = _eos_ids(model.tokenizer, model.model)
-        self._tokenizer_lock = threading.Lock()
 
-    def encode(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Token ids per prompt (no padding, no chat template: prompts arrive templated).
-
-        Raises:
-            ValueError: a prompt is empty or blank, or tokenizes to nothing (names ``prompts[i]``).
-        """
-        for i, p in enumerate(prompts):
-            if not isinstance(p, str) or not p.strip():
-                raise ValueError(f"prompts[{i}] must be a non-empty string, got {p!r}")
-        with self._tokenizer_lock:
-            ids = [list(self.model.tokenizer(p)["input_ids"]) for p in prompts]
-        for i, s in enumerate(ids):
-            if not s:
-                raise ValueError(f"prompts[{i}] tokenizes to zero tokens")
-        return ids
-
-    def requests(self, job: Job) -> tuple[list[Request], list[RowText]]:
-        """The engine requests of ``job``, checked against the model (blocking: call it off the loop).
+    def submit(self, job: Any) -> Submission:
+        """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
+        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``); call it on the event loop.
 
         Raises:
-            ValueError: a bad prompt, or prompt + ``max_tokens`` beyond the context (the message
-                names ``prompts[i]`` or ``max_new_tokens``).
+            ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
+            QueueFull: the waiting queue is full (the server answers 429).
         """
         tok = self.model.tokenizer
         texts = [RowText(tok, self.eos_token_ids, job.stop) for _ in job.prompts]
-        reqs = []
-        for i, ids in enumerate(self.encode(job.prompts)):
-            stop_fn = texts[i].stopped if texts[i].stop else None
-            req = Request(ids, job.max_tokens, job.policy, job.sampling, tuple(self.eos_token_ids), stop_fn, tag=i)
-            self.scheduler.check(req)
-            reqs.append(req)
-        return reqs, texts
-
-    async def submit(self, job: Job) -> Submission:
-        """Tokenize and check ``job`` off the event loop, then queue it.
-
-        Raises:
-            ValueError: as :meth:`requests` (the server answers 400).
-            QueueFull: the waiting queue is full (the server answers 429).
-        """
-        reqs, texts = await asyncio.to_thread(self.requests, job)
+        reqs = [
+            Request(list(ids), job.max_new_tokens, job.policy, job.sampling, tuple(self.eos_token_ids),
+                    texts[i].stopped if texts[i].stop else None, tag=i)
+            for i, ids in enumerate(job.prompts)
+        ]
         sub = Submission(self.scheduler, reqs, texts, job)
         sub.start()
         return sub

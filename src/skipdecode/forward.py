@@ -23,7 +23,9 @@ import torch
 from .adapters import Adapter
 from .cache import SkipCache, SlotView
 
-__all__ = ["positions_from_mask", "build_attention_mask", "build_row_attention_mask", "skip_forward"]
+__all__ = [
+    "positions_from_mask", "build_attention_mask", "build_row_attention_mask", "layer_attention_masks", "skip_forward",
+]
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,22 @@ def build_attention_mask(
     allowed = allowed | (k_idx == q_idx)
     mask = torch.zeros((B, 1, num_queries, K), dtype=dtype, device=device)
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def layer_attention_masks(
+    adapter: Adapter, attention_mask: torch.Tensor, num_queries: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """The additive mask (B, 1, T, K) of every layer, indexed by ``layer_idx`` (L entries).
+
+    Each layer gets :func:`build_attention_mask` with its own window
+    (``adapter.layer_windows[layer_idx]``: Qwen2/Qwen3/SmolLM3 ``layer_types``, Mistral's one
+    window, or none), as HF builds one mask per layer type; layers with the same window share
+    one tensor, so a model without windows builds one mask.
+    """
+    by_window = {
+        w: build_attention_mask(attention_mask, num_queries, dtype, w) for w in dict.fromkeys(adapter.layer_windows)
+    }
+    return [by_window[w] for w in adapter.layer_windows]
 
 
 def build_row_attention_mask(
@@ -166,14 +184,17 @@ def skip_forward(
     layers = range(adapter.num_layers) if active_layers is None else active_layers
     position_ids = positions_from_mask(attention_mask)[:, K - T :]
     hidden = adapter.embed(input_ids, position_ids)
-    if row_layers is not None:
-        mask4d = build_row_attention_mask(attention_mask, hidden.dtype, adapter.sliding_window)
+    if row_layers is not None:  # per layer (B, 1, 1, K), each row's query at its own position
+        by_window = {w: build_row_attention_mask(attention_mask, hidden.dtype, w)
+                     for w in dict.fromkeys(adapter.layer_windows)}
+        masks = [by_window[w] for w in adapter.layer_windows]
     else:
-        mask4d = build_attention_mask(attention_mask, T, hidden.dtype, adapter.sliding_window)
+        masks = layer_attention_masks(adapter, attention_mask, T, hidden.dtype)  # per layer (B, 1, T, K)
     extra = adapter.layer_inputs(hidden, position_ids)
     for layer_idx in layers:
         if row_layers is not None:
-            hidden = _run_layer_on_rows(adapter, layer_idx, hidden, mask4d, cache, extra, row_layers[:, layer_idx])
+            hidden = _run_layer_on_rows(adapter, layer_idx, hidden, masks[layer_idx], cache, extra,
+                                        row_layers[:, layer_idx])
             continue
         if cache is not None and cache.lengths[layer_idx] != K - T:
             raise RuntimeError(
@@ -184,10 +205,10 @@ def skip_forward(
             keep = layer_mask[:, :, layer_idx]
             if not bool(keep.any()):
                 continue
-            out = adapter.run_layer(layer_idx, hidden, mask4d, None, extra)
+            out = adapter.run_layer(layer_idx, hidden, masks[layer_idx], None, extra)
             hidden = torch.where(keep[..., None], out, hidden)
         else:
-            hidden = adapter.run_layer(layer_idx, hidden, mask4d, cache, extra)
+            hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
     if return_hidden:
         return hidden
     if logits_last_only:

@@ -18,6 +18,7 @@ from .adapters import Adapter
 from .cache import SkipCache
 from .forward import skip_forward
 from .policy import FullPolicy, SkipPolicy, theoretical_speedup
+from .prompts import Prompt, encode_prompt
 from .sampling import Sampler, SamplingParams
 
 __all__ = [
@@ -106,8 +107,9 @@ def generate_step(
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
 
     Raises:
-        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens``
-            longer than the model's context (``max_position_embeddings``).
+        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens`` - 1
+            longer than the model's context (``max_position_embeddings``; see
+            :meth:`Adapter.check_context`).
     """
     if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -119,11 +121,7 @@ def generate_step(
     B, P = input_ids.shape
     if B == 0 or P == 0:
         raise ValueError("input_ids must hold at least one prompt of at least one token")
-    if adapter.max_positions is not None and P + max_new_tokens > adapter.max_positions:
-        raise ValueError(
-            f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's context of "
-            f"{adapter.max_positions} positions; shorten the prompt or lower max_new_tokens"
-        )
+    adapter.check_context(P, max_new_tokens)
     policy = policy or FullPolicy(adapter.num_layers)
     if policy.num_layers != adapter.num_layers:
         raise ValueError(
@@ -294,51 +292,40 @@ class GenerationResult:
 
 def encode_prompts(
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt],
     *,
     chat: bool = False,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize ``prompts`` into a left-padded batch.
+    """Encode ``prompts`` into a left-padded batch, each through
+    :func:`skipdecode.prompts.encode_prompt` (the one path shared with the server).
 
     Args:
         tokenizer: a Hugging Face tokenizer.
-        prompts: non-empty strings.
-        chat: wrap each prompt as a user turn with the tokenizer's chat template.
+        prompts: each a non-empty string, a conversation (list of ``{"role", "content"}``
+            messages, always rendered with the chat template) or a list of token ids (used as
+            given); a single string is one prompt.
+        chat: wrap each string prompt as a user turn with the tokenizer's chat template.
+        device: device of the returned tensors.
 
     Returns:
         ``(input_ids, attention_mask)``, both (B, P), left-padded.
 
     Raises:
-        ValueError: no prompts, a prompt that is not a non-empty string (names its index), or
-            ``chat`` with a tokenizer that has no chat template.
+        ValueError: no prompts, or a bad prompt (see :func:`~skipdecode.prompts.encode_prompt`;
+            the message names it as ``prompts[i]``), or ``chat`` with a tokenizer that has no
+            chat template.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     if not prompts:
         raise ValueError("prompts must hold at least one prompt")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str) or not p.strip():
-            raise ValueError(f"prompts[{i}] must be a non-empty string, got {p!r}")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat=True but the tokenizer has no chat template")
-        seqs = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            for p in prompts
-        ]
-        seqs = [list(s["input_ids"]) if isinstance(s, dict) or hasattr(s, "keys") else list(s) for s in seqs]
-    else:
-        seqs = [tokenizer(p)["input_ids"] for p in prompts]
+    seqs = [encode_prompt(tokenizer, p, chat=chat, where=f"prompts[{i}]") for i, p in enumerate(prompts)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     P = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), P), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), P), dtype=torch.long)
     for i, s in enumerate(seqs):
-        if len(s) == 0:
-            raise ValueError(f"prompts[{i}] tokenizes to zero tokens")
         ids[i, P - len(s) :] = torch.tensor(s, dtype=torch.long)
         mask[i, P - len(s) :] = 1
     return ids.to(device), mask.to(device)
@@ -427,7 +414,7 @@ class RowText:
 def stream_generate(
     adapter: Adapter,
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt],
     *,
     policy: SkipPolicy | None = None,
     sampling: SamplingParams | None = None,
@@ -442,7 +429,7 @@ def stream_generate(
     Args:
         adapter, policy, sampling, max_new_tokens: as in :func:`generate_step`.
         tokenizer: the model's HF tokenizer.
-        prompts: the prompts (strings).
+        prompts: the prompts: strings, conversations or token ids (see :func:`encode_prompts`).
         stop: stop strings; a row stops when its text contains one (the text is cut before it).
         chat: apply the tokenizer's chat template.
         eos_token_ids: override of the EOS ids (default: tokenizer's and generation config's).
@@ -503,7 +490,7 @@ def stream_generate(
 def generate(
     adapter: Adapter,
     tokenizer,
-    prompts: Sequence[str] | str,
+    prompts: Sequence[Prompt] | str,
     *,
     policy: SkipPolicy | None = None,
     sampling: SamplingParams | None = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -11,7 +10,9 @@ from typing import Any, Iterator, Sequence
 
 from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
+from .jsonio import dump
 from .policy import FullPolicy, SkipPolicy, for_speedup
+from .prompts import Prompt
 from .sampling import SamplingParams
 
 __all__ = ["SkipModel", "SKIP_CONFIG_NAME", "apply_umask", "write_json_atomic"]
@@ -42,12 +43,18 @@ def apply_umask(path: str | os.PathLike) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (temp file in the same folder + rename),
-    with the mode a plain ``open`` would give it (:func:`apply_umask`)."""
+    """Write ``data`` as strict JSON (non-finite floats as null, :mod:`skipdecode.jsonio`) to
+    ``path`` atomically (temp file in the same folder + rename), with the mode a plain ``open``
+    would give it (:func:`apply_umask`).
+
+    Raises:
+        OSError: the folder cannot be written.
+        TypeError: ``data`` holds an object JSON cannot represent.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
+        dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
     apply_umask(tmp)
     os.replace(tmp, path)
@@ -116,7 +123,8 @@ class SkipModel:
             raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
         horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
-            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=fields.get("warmup_layers") or 1)
+            warmup = fields.get("warmup_layers")  # 0 is a value (no warm-up), only None means "default"
+            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
         given = {k: v for k, v in fields.items() if v is not None}
         # an explicit horizon alone re-times a linear-decay default instead of being ignored
         if given or (horizon_given and isinstance(self.policy, LinearDecayPolicy)):
@@ -152,7 +160,7 @@ class SkipModel:
 
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[Prompt],
         *,
         max_new_tokens: int = 64,
         policy: SkipPolicy | None = None,
@@ -164,8 +172,10 @@ class SkipModel:
         chat: bool | None = None,
         max_batch_size: int | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`);
-        ``max_batch_size`` (rows) runs the prompts with in-flight batching.
+        """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
+        prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
+        token ids, encoded by :func:`skipdecode.prompts.encode_prompt`. ``max_batch_size`` (rows)
+        runs the prompts with in-flight batching.
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field).
@@ -182,7 +192,7 @@ class SkipModel:
 
     def stream_generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[Prompt],
         *,
         max_new_tokens: int = 64,
         policy: SkipPolicy | None = None,

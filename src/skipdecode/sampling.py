@@ -17,7 +17,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
+
+#: Temperatures below this decode greedily (argmax), as vLLM (``_SAMPLING_EPS = 1e-5`` in
+#: ``vllm/sampling_params.py``) and SGLang do. Below it ``logits / temperature`` leaves float32's
+#: range for ordinary logits (1e-38 overflows any logit above 3.4; 5e-324 is 0 in float32), the
+#: softmax turns into NaN and nothing could be drawn; at and above it the division stays finite
+#: for any logit under 1e33, and the softmax is already all but one-hot.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -25,10 +32,13 @@ class SamplingParams:
     """How to pick the next token.
 
     Args:
-        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        temperature: below :data:`GREEDY_TEMPERATURE` (1e-5), 0 included, greedy (argmax), so
+            API, CLI and server all decode a degenerate temperature such as 1e-38 greedily; from
+            1e-5 on, samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0: no limit).
         top_p: nucleus sampling mass in (0, 1] (1: no limit).
-        seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens.
+        seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens;
+            an integer in [-2**63, 2**64 - 1], the range ``torch.Generator.manual_seed`` takes.
 
     Raises:
         ValueError: a field is out of range (the message names it).
@@ -46,20 +56,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):  # torch.Generator.manual_seed's range
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0)."""
-        return self.temperature == 0
+        """True when decoding is argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class Sampler:
     """Draws next tokens (B,) from logits (B, V) according to :class:`SamplingParams`.
 
     Args:
-        params: temperature / top-k / top-p / seed; greedy (argmax) when temperature is 0.
+        params: temperature / top-k / top-p / seed; greedy (argmax) when ``params.greedy``
+            (temperature below :data:`GREEDY_TEMPERATURE`).
             Warping uses Hugging Face's ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
             ``TopPLogitsWarper`` in that order, as ``transformers.generate`` does.
         device: device of the ``torch.Generator`` (that of the logits); seeded with

@@ -18,7 +18,12 @@ __all__ = ["Adapter", "ADAPTERS", "register", "get_adapter", "supported_model_ty
 
 
 class UnsupportedArchitectureError(ValueError):
-    """Raised for a ``config.model_type`` with no registered adapter; lists the supported ones."""
+    """Raised for a ``config.model_type`` with no registered adapter (lists the supported ones),
+    or a config whose attention the layer loop cannot reproduce (names the setting)."""
+
+
+# ``config.layer_types`` values whose attention is a causal mask, optionally windowed.
+_WINDOWED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class Adapter:
@@ -32,6 +37,11 @@ class Adapter:
         layers: the stock decoder layers, ``num_layers`` of them.
         num_layers: L (layers).
         max_positions: longest sequence the model's positions support (tokens), or None.
+        layer_windows: per layer, its sliding attention window (tokens) or None (full causal
+            attention); see :meth:`_layer_windows`.
+
+    Raises:
+        UnsupportedArchitectureError: the config's per-layer attention types cannot be masked.
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -42,9 +52,8 @@ class Adapter:
         self.num_layers = len(self.layers)
         cfg = model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        # Mistral-style sliding-window attention, enforced by our own mask (None: full attention).
-        window = getattr(cfg, "sliding_window", None)
-        self.sliding_window: int | None = window if window and getattr(cfg, "use_sliding_window", True) else None
+        # Sliding-window attention per layer, enforced by our own masks (None: full attention).
+        self.layer_windows: tuple[int | None, ...] = self._layer_windows()
         # transformers renamed the layers' cache argument from `past_key_values` to `cache`
         # (5.2x); pass whichever the installed version's layer accepts.
         params = inspect.signature(type(self.layers[0]).forward).parameters
@@ -53,6 +62,40 @@ class Adapter:
     # -- hooks -------------------------------------------------------------------------------
     def _layers(self) -> nn.ModuleList:
         raise NotImplementedError
+
+    def _layer_windows(self) -> tuple[int | None, ...]:
+        """The attention window of each layer (tokens; None: full causal attention), as HF's
+        own model forward builds its masks.
+
+        A config with ``layer_types`` (Qwen2 and Qwen3 derive it from ``use_sliding_window`` and
+        ``max_window_layers``, SmolLM3 from its NoPE layers) gets, per layer, one mask per type:
+        ``config.sliding_window`` for ``"sliding_attention"``, none for ``"full_attention"``
+        (HF ``masking_utils.create_sliding_window_causal_mask`` / ``create_causal_mask``). A
+        config without it applies ``sliding_window`` to every layer (Mistral), unless
+        ``use_sliding_window`` is false. Families whose HF model ignores ``layer_types`` override
+        this hook.
+
+        Raises:
+            UnsupportedArchitectureError: a layer type other than full or sliding attention
+                (chunked, linear, ...), which the layer loop cannot mask; or ``layer_types`` of
+                the wrong length.
+        """
+        cfg = self.model.config
+        window = getattr(cfg, "sliding_window", None) or None
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is None:
+            return (window if getattr(cfg, "use_sliding_window", True) else None,) * self.num_layers
+        if len(layer_types) != self.num_layers:
+            raise UnsupportedArchitectureError(
+                f"config.layer_types has {len(layer_types)} entries for {self.num_layers} layers"
+            )
+        unknown = sorted(set(layer_types) - set(_WINDOWED_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedArchitectureError(
+                f"config.layer_types holds {', '.join(map(repr, unknown))}; the layer loop supports "
+                f"{' and '.join(map(repr, _WINDOWED_LAYER_TYPES))} layers only"
+            )
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings (B, T, C) for ``input_ids`` (B, T) at ``position_ids`` (B, T).
@@ -98,6 +141,28 @@ class Adapter:
         kwargs[self._cache_kw] = cache
         out = self.layers[layer_idx](hidden, attention_mask=attention_mask, use_cache=cache is not None, **kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Refuse a generation whose positions do not fit the model's context.
+
+        A prompt of P tokens and N new tokens need ``P + N - 1`` positions: the last generated
+        token is never fed back, so HF's ``generate`` returns 1 token for a prompt that fills the
+        whole context. ``prompt_tokens`` is P (the padded batch width, tokens); ``max_new_tokens``
+        is N (tokens).
+
+        Raises:
+            ValueError: ``P + N - 1 > max_positions``; the message names ``max_new_tokens`` and
+                the largest value that fits.
+        """
+        needed = prompt_tokens + max_new_tokens - 1
+        if self.max_positions is not None and needed > self.max_positions:
+            fits = self.max_positions - prompt_tokens + 1
+            hint = f"max_new_tokens <= {fits} fits" if fits >= 1 else "shorten the prompt"
+            raise ValueError(
+                f"prompt length {prompt_tokens} + max_new_tokens {max_new_tokens} needs {needed} positions "
+                f"(the last new token is never fed back), more than the model's context of "
+                f"{self.max_positions}; {hint}"
+            )
 
     @property
     def kv_shape(self) -> tuple[int, int]:

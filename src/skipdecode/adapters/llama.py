@@ -19,6 +19,14 @@ class LlamaAdapter(Adapter):
     def _layers(self) -> nn.ModuleList:
         return self.model.model.layers
 
+    def _layer_windows(self) -> tuple[int | None, ...]:
+        """Mistral applies ``sliding_window`` to every layer and ignores any ``layer_types``
+        (HF ``MistralModel.forward``); the others follow :meth:`Adapter._layer_windows`."""
+        cfg = self.model.config
+        if cfg.model_type == "mistral":
+            return (getattr(cfg, "sliding_window", None) or None,) * self.num_layers
+        return super()._layer_windows()
+
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C); positions enter through rotary embeddings per layer."""
         return self.model.model.embed_tokens(input_ids)
