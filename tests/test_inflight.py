@@ -280,6 +280,21 @@ def test_scheduler_thread_serves_every_request_and_bounds_its_queue():
         sched.close()
 
 
+@pytest.mark.parametrize("name", ["qwen2_max_window_layers", "smollm3_nope_sliding", "mistral_window"])
+def test_inflight_rows_equal_solo_with_per_layer_windows(name):
+    """Sliding windows (per layer) shorter than the sequences: each row's query sits at its own
+    position, so its window is counted from there, as in its solo run."""
+    from test_layer_types import build
+
+    adapter = get_adapter(build(name)[0])
+    reqs = [Request(prompt(n, 70 + i), m, POLICIES[p]) for i, (n, p, m, _) in enumerate(CASES)]
+    _, results = run_inflight(adapter, reqs, [c[3] for c in CASES], max_batch_size=3)
+    for req, (toks, logits) in zip(reqs, results):
+        want_toks, want_logits = solo(adapter, list(req.prompt_ids), req.policy, req.max_new_tokens)
+        assert toks == want_toks
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_real_model_inflight_equals_static_batch():
     """The embedded SmolLM2-135M (30 layers): in-flight with two slots gives the static batch's
