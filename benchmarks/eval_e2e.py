@@ -16,6 +16,8 @@ reads the 80 articles of ``cnn_dailymail/cnndm_specbench80.jsonl``) and prints t
     python benchmarks/eval_e2e.py --ckpt 1x=runs/e2e-1x/final --ckpt 2x=runs/e2e-2x/final \\
         --ckpt 3x=runs/e2e-3x/final --ckpt 5x=runs/e2e-5x/final --batch-size 16 --device cuda
     python benchmarks/eval_e2e.py --ckpt 2x=runs/e2e-2x/final --limit 16          # quick look
+    python benchmarks/eval_e2e.py --ckpt 2x=runs/e2e-2x/final --no-stock --batch-size 32 \
+        --static --name eval_e2e_static    # vs the default in-flight run: --name eval_e2e_inflight
     python benchmarks/eval_e2e.py --task cnndm --ckpt 2x=runs/e2e-2x/final --batch-size 16 --sort-by-length
     python benchmarks/eval_e2e.py --ckpt 1x=runs/e2e-1x/final --no-stock --calm-threshold 0.9 \\
         --batch-size 1 --name eval_e2e_calm   # the CALM-style baseline alone (batch 1)
@@ -64,6 +66,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     p.add_argument("--name", default=None, help="output base name (default: eval_e2e / eval_cnndm)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--static", action="store_true",
+                   help="static batches that wait for their longest item (default: in-flight batching, "
+                        "--batch-size rows at most; compare the two with --name)")
     p.add_argument("--sort-by-length", action="store_true",
                    help="batch prompts of similar length together (less padding; outputs stay in item order)")
     return p.parse_args(argv)
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             models, items, policies, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
             task=args.task, calm_thresholds=args.calm_threshold, calm_min_layers=args.calm_min_layers,
             calm_models=[calm_model] if args.calm_threshold else None, progress=not args.no_progress,
-            command=command, data=str(data), sort_by_length=args.sort_by_length,
+            command=command, data=str(data), sort_by_length=args.sort_by_length, inflight=not args.static,
         )
     except (DataError, ValueError) as e:
         _die(str(e))

@@ -177,6 +177,8 @@ def test_stop_and_sampling_flags(runner, chain_dir, random_dir):
         (["--horizon", "0"], "horizon"),
         (["--speedup", "2", "--max-layers", "4"], "speedup"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--max-batch-size", "0"], "max-batch-size"),
+        (["Another prompt", "--max-new-tokens", "1000"], "max_new_tokens"),  # several prompts: in flight
         (["--max-new-tokens", "1000"], "max_new_tokens"),  # longer than the 256-position context
         (["--dtype", "float8"], "dtype"),
         (["--horizon", "4"], "horizon"),  # a full-depth model: a horizon alone would be ignored

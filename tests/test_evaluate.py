@@ -96,6 +96,25 @@ def test_evaluate_end_to_end_report(sk, items_file, monkeypatch):
     assert skip.decode_speedup == pytest.approx(full.step_seconds / skip.step_seconds)
 
 
+def test_inflight_eval_same_generations_and_row_step_speedup(sk, items_file):
+    """--inflight: every item through one in-flight engine per policy; greedy outputs equal the
+    static batches', the theoretical speedup counts each item's own decode steps."""
+    items = load_eval_items(items_file)
+    static = evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=9, stop=(), warmup=False)
+    inflight = evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=9, stop=(), warmup=False, inflight=True)
+    assert inflight.meta["inflight"] is True and static.meta["inflight"] is False
+    policy = sk.policy_for(speedup=2.0)
+    alone = [sk.generate([it.prompt], max_new_tokens=9, policy=policy, stop=()) for it in items]
+    row_steps = sum(len(a.layers_run) for a in alone)
+    row_layers = sum(sum(a.layers_run) for a in alone)
+    for s_row, i_row in zip(static.rows, inflight.rows):
+        assert i_row.generations == s_row.generations
+        assert i_row.n_items == 5
+    skip = inflight.rows[1]
+    assert skip.decode_steps == row_steps and skip.layers_run == row_layers
+    assert skip.theoretical_speedup == pytest.approx(L * row_steps / row_layers)
+
+
 def test_sort_by_length_batches_by_length_and_keeps_item_order(sk, items_file, monkeypatch):
     items = list(load_eval_items(items_file))
     one = {it.prompt: evaluate(sk, [it], [2.0], batch_size=1, max_new_tokens=6, stop=(), warmup=False)

@@ -164,11 +164,14 @@ def test_server_fault_is_500_server_error(sk, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("CUDA exploded")
 
-    monkeypatch.setattr(sk, "generate", boom)
-    resp = TestClient(create_app(sk, "tiny"), raise_server_exceptions=False).post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    monkeypatch.setattr("skipdecode.engine.skip_forward", boom)  # the engine thread's step fails
+    app = create_app(sk, "tiny")
+    client = TestClient(app, raise_server_exceptions=False)
+    resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     message = assert_openai_error(resp, 500, None, kind="server_error")
     assert "CUDA exploded" not in message  # no internals in the answer; the server logs them
+    monkeypatch.undo()  # the engine recovers: the next request is served
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_one_token_run_has_json_safe_usage(client):
@@ -254,13 +257,20 @@ def test_stream_request_error_is_400_before_the_stream(client):
     assert_openai_error(client.post("/v1/completions", json=body), 400, "max_tokens", "max_tokens")
 
 
-def test_stream_error_event_has_the_error_shape(client, monkeypatch):
-    def failing(*args, **kwargs):  # an engine error once the stream has started
-        raise ValueError("max_new_tokens must be an integer >= 1")
-        yield
+def test_stream_error_event_has_the_error_shape(sk, monkeypatch):
+    """A fault after the headers are sent travels as one error event, then [DONE]."""
+    client = TestClient(create_app(sk, "tiny"))
+    calls = []
+    real = __import__("skipdecode.engine", fromlist=["skip_forward"]).skip_forward
 
-    monkeypatch.setattr("skipdecode.server.stream_generate", failing)
-    events = stream_events(client, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": True,
-                                                       "stream_options": {"include_usage": True}})
-    assert len(events) == 1 and set(events[0]["error"]) == {"message", "type", "param", "code"}
-    assert events[0]["error"]["param"] == "max_tokens"
+    def fail_on_decode(*args, **kwargs):
+        calls.append(1)
+        if kwargs.get("row_layers") is not None:
+            raise RuntimeError("CUDA exploded")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("skipdecode.engine.skip_forward", fail_on_decode)
+    events = stream_events(client, "/v1/completions", {"prompt": "The Eagle", "max_tokens": 5, "stream": True})
+    errors = [e for e in events if "error" in e]
+    assert len(errors) == 1 and set(errors[0]["error"]) == {"message", "type", "param", "code"}
+    assert errors[0]["error"]["type"] == "server_error" and "CUDA" not in errors[0]["error"]["message"]

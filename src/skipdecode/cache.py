@@ -5,6 +5,10 @@ positions: the layers that ran at every step hold all of them, the bottom layers
 t hold ``prompt + t`` of them. :class:`SkipCache` keeps one preallocated buffer and one length per
 layer and implements the ``update(key, value, layer_idx, ...)`` contract that Hugging Face attention
 modules call, so the stock layers write into it unchanged. Nothing here reads "layer 0's length".
+
+For in-flight batching (rows at different steps, each with its own plan) :class:`SlotCache` keeps
+one slot per running request and one length per (layer, slot); a :class:`SlotView` is one decode
+step's window on it (METHOD.md "Rows at different steps in one forward").
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SkipCache"]
+__all__ = ["SkipCache", "SlotCache", "SlotView"]
 
 
 class SkipCache:
@@ -100,3 +104,149 @@ class SkipCache:
             if self.keys[i] is not None:
                 self.keys[i] = self.keys[i].index_select(0, rows)
                 self.values[i] = self.values[i].index_select(0, rows)
+
+
+class SlotCache:
+    """K/V buffers for in-flight batching: one cache row ("slot") per running request, and one
+    length per (layer, slot) (METHOD.md "Rows at different steps in one forward").
+
+    Each slot holds one request's history from its own position 0 (no padding): a request is
+    prefilled at full depth elsewhere and its real positions are copied in with
+    :meth:`load_prefill`; then each decode step appends one token per running row to exactly the
+    layers its plan runs, through a :class:`SlotView`. A slot is reused once :meth:`free` is called.
+
+    Args:
+        num_layers: L (layers).
+        num_slots: S, the most rows that can run at once (the scheduler's maximum batch size).
+        capacity: positions first allocated per slot (tokens); buffers double when a write needs more.
+
+    Attributes:
+        lengths: (L, S) long tensor, cached positions of every (layer, slot) (tokens).
+
+    Raises:
+        ValueError: ``num_layers``, ``num_slots`` or ``capacity`` < 1.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, capacity: int = 256) -> None:
+        for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("capacity", capacity)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = torch.zeros((num_layers, num_slots), dtype=torch.long)
+
+    def _ensure(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
+        """Allocate (or double) layer ``layer_idx``'s buffers (S, H_kv, size, D) to hold ``need`` positions."""
+        old_k = self.keys[layer_idx]
+        if old_k is not None and old_k.shape[2] >= need:
+            return
+        size = max(need, self.capacity) if old_k is None else max(need, 2 * old_k.shape[2])
+        k_buf = like_k.new_zeros((self.num_slots, like_k.shape[1], size, like_k.shape[-1]))
+        v_buf = like_v.new_zeros((self.num_slots, like_v.shape[1], size, like_v.shape[-1]))
+        if old_k is not None:
+            k_buf[:, :, : old_k.shape[2]] = old_k
+            v_buf[:, :, : old_k.shape[2]] = self.values[layer_idx]
+        self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
+
+    def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int) -> None:
+        """Copy positions ``start:end`` of batch row ``row`` of a prefilled :class:`SkipCache`
+        (every layer) into ``slot`` as its positions ``0:end-start``; the slot's lengths become
+        ``end - start`` in every layer. ``start`` skips the row's left padding (tokens).
+
+        Raises:
+            ValueError: a layer of ``source`` does not hold ``end`` positions (not a full-depth prefill).
+        """
+        n = end - start
+        for layer_idx in range(self.num_layers):
+            if source.lengths[layer_idx] < end or source.keys[layer_idx] is None:
+                raise ValueError(
+                    f"layer {layer_idx} of the prefill cache holds {source.lengths[layer_idx]} positions, "
+                    f"need {end}: a joining request must be prefilled at full depth"
+                )
+            k = source.keys[layer_idx][row : row + 1, :, start:end]
+            v = source.values[layer_idx][row : row + 1, :, start:end]
+            self._ensure(layer_idx, k, v, n)
+            self.keys[layer_idx][slot, :, :n] = k[0]
+            self.values[layer_idx][slot, :, :n] = v[0]
+        self.lengths[:, slot] = n
+
+    def free(self, slot: int) -> None:
+        """Mark ``slot`` empty (lengths 0 in every layer); its buffers are overwritten by the next user."""
+        self.lengths[:, slot] = 0
+
+    def view(self, slots: torch.Tensor, positions: torch.Tensor, key_length: int) -> "SlotView":
+        """A :class:`SlotView` for one decode step of rows in ``slots`` (B,) writing at
+        ``positions`` (B,) (each row's history length, tokens) and returning ``key_length`` keys."""
+        return SlotView(self, slots, positions, key_length)
+
+
+class SlotView:
+    """One decode step's window on a :class:`SlotCache`: batch row i is slot ``slots[i]`` and
+    writes its one new token at position ``positions[i]``; every layer call returns ``key_length``
+    keys per row (the caller's attention mask hides, per row, the positions after its own).
+
+    It implements the ``update(key, value, layer_idx)`` contract of Hugging Face attention
+    modules, like :class:`SkipCache`. :meth:`rows` narrows it to the rows that run a layer.
+
+    Args:
+        cache: the :class:`SlotCache`.
+        slots: (B,) long slot indices (distinct).
+        positions: (B,) long write positions (tokens); each < ``key_length``.
+        key_length: K, keys returned per row (tokens), ``max(positions) + 1`` for a decode step.
+    """
+
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, key_length: int) -> None:
+        self.cache = cache
+        self.slots = slots.long().cpu()
+        self.positions = positions.long().cpu()
+        self.key_length = key_length
+
+    def rows(self, rows: torch.Tensor) -> "SlotView":
+        """The view restricted to batch rows ``rows`` (B',) (long indices)."""
+        rows = rows.cpu()
+        return SlotView(self.cache, self.slots[rows], self.positions[rows], self.key_length)
+
+    def check(self, layer_idx: int) -> None:
+        """Raise RuntimeError unless every row's cached length at ``layer_idx`` equals its position:
+        a layer that runs for a row must hold that row's complete history (METHOD.md)."""
+        have = self.cache.lengths[layer_idx, self.slots]
+        bad = (have != self.positions).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise RuntimeError(
+                f"layer {layer_idx} holds {int(have[i])} cached positions for slot {int(self.slots[i])}, "
+                f"expected {int(self.positions[i])}: a layer skipped earlier cannot run again (the plan is not monotone)"
+            )
+
+    def _slot_index(self, buf: torch.Tensor) -> torch.Tensor | slice:
+        first, n = int(self.slots[0]), len(self.slots)
+        if bool((self.slots == torch.arange(first, first + n)).all()):
+            return slice(first, first + n)  # contiguous slots: a view, no copy
+        return self.slots.to(buf.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states``/``value_states`` (B, H_kv, 1, D) at each row's position in layer
+        ``layer_idx``; return that layer's keys and values (B, H_kv, K, D) of the rows' slots.
+
+        Raises:
+            ValueError: more than one new token per row (decode steps feed one).
+        """
+        if key_states.shape[-2] != 1:
+            raise ValueError(f"a SlotView step writes one token per row, got {key_states.shape[-2]}")
+        cache = self.cache
+        cache._ensure(layer_idx, key_states, value_states, self.key_length)
+        k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
+        slots, pos = self.slots.to(k_buf.device), self.positions.to(k_buf.device)
+        k_buf[slots, :, pos] = key_states[:, :, 0]
+        v_buf[slots, :, pos] = value_states[:, :, 0]
+        cache.lengths[layer_idx, self.slots] = self.positions + 1
+        index = self._slot_index(k_buf)
+        K = self.key_length
+        if isinstance(index, slice):
+            return k_buf[index, :, :K], v_buf[index, :, :K]
+        return k_buf[:, :, :K].index_select(0, index), v_buf[:, :, :K].index_select(0, index)

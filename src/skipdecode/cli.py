@@ -125,6 +125,7 @@ def generate(
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
+    max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
     all_prompts = list(prompts or [])
@@ -143,6 +144,8 @@ def generate(
         fail(str(e))
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if max_batch_size < 1:
+        fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
     sk = load_model(model, device, dtype, chat)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
@@ -179,6 +182,7 @@ def generate(
         result = run_generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
+            max_batch_size=None if single else max_batch_size,
         )
     except ValueError as e:
         fail(str(e))
@@ -240,6 +244,7 @@ def eval_command(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted) instead of failing."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
+    inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .data import DataError, default_data_dir, load_eval_items, select_items
@@ -291,6 +296,7 @@ def eval_command(
             stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in stop] or None, task=eval_task, metrics=metrics or None, horizon=horizon,
             calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
             progress=progress, command=command, data=str(data), sort_by_length=sort_by_length,
+            inflight=inflight,
         )
     except (DataError, ValueError) as e:
         fail(str(e))
@@ -525,10 +531,17 @@ def serve(
     name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
     device: str = typer.Option("cpu", "--device", help="torch device."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most rows decoding at once (in-flight batching)."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
+    serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
+    if max_batch_size < 1:
+        fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    if max_waiting < 0:
+        fail(f"--max-waiting must be >= 0, got {max_waiting}")
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
@@ -537,7 +550,8 @@ def serve(
     from .server import create_app
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
-    uvicorn.run(create_app(sk, name), host=host, port=port, log_level="info")
+    app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial)
+    uvicorn.run(app_, host=host, port=port, log_level="info")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

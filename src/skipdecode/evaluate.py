@@ -735,6 +735,7 @@ def evaluate(
     command: str | None = None,
     data: str | None = None,
     sort_by_length: bool = False,
+    inflight: bool = False,
 ) -> Report:
     """Generate for ``items`` with every model under every policy, then score and time each row.
 
@@ -747,7 +748,12 @@ def evaluate(
         policies: :data:`PolicySpec` list applied to every model, or a mapping label -> list
             (models not in it get the checkpoint's policy). None: each model's own policy. The
             full-depth reference row is always added; duplicate policies of a model are merged.
-        batch_size: prompts per generation call (>= 1); the last batch may be smaller.
+        batch_size: prompts per generation call (>= 1); the last batch may be smaller. With
+            ``inflight``: the most rows decoding at once.
+        inflight: run each SkipDecode row's items with in-flight batching
+            (:func:`~skipdecode.generate.generate_inflight`): a finished item's slot goes to the
+            next item at once, so a long item no longer holds its batch (batch-1 and CALM rows are
+            unchanged). ``decode_steps`` then counts row-steps.
         max_new_tokens: tokens per item (None: the task's default, :data:`TASKS`).
         stop: stop strings (None: the task's default; ``()`` for none).
         task: key of :data:`TASKS` (metric set, plotted metric, defaults).
@@ -856,9 +862,19 @@ def evaluate(
                         model.generate(first[: row.batch_size], policy=plan, **warm)
             if bar is not None:
                 bar.set_description(f"eval {label}")
+            streamed = [r.kind != "calm" and not (r.batch_size == 1 and batch_size != 1) for r in model_rows]
+            if inflight:  # each such row: every item through one in-flight engine
+                all_prompts = [items[j].prompt for j in order]
+                for row, plan, flag in zip(model_rows, plans, streamed):
+                    if flag:
+                        t0 = time.perf_counter()
+                        res = model.generate(all_prompts, policy=plan, max_batch_size=batch_size, **gen_kwargs)
+                        row.add(res, time.perf_counter() - t0)
             for batch in batches:
                 prompts = [it.prompt for it in batch]
-                for row, plan in zip(model_rows, plans):
+                for row, plan, flag in zip(model_rows, plans, streamed):
+                    if inflight and flag:
+                        continue  # ran above
                     if row.kind == "calm":
                         for p in prompts:
                             t0 = time.perf_counter()
@@ -906,6 +922,7 @@ def evaluate(
         "n_items": len(items),
         "batch_size": batch_size,
         "sort_by_length": bool(sort_by_length),
+        "inflight": bool(inflight),
         "max_new_tokens": max_new_tokens,
         "stop": list(stop),
         "models": model_info,

@@ -1,12 +1,17 @@
 """THE layer loop. Prefill, decode, teacher-forced training and evaluation all call
 :func:`skip_forward`; there is no second copy (DESIGN.md, PITFALLS 2).
 
-Two ways to say which layers run:
+Three ways to say which layers run:
 - ``active_layers``: one plan for every position of the call (prefill: all layers; decode step
   t: ``policy.active_layers(t)``); skipped layers are the identity and get no cache entry.
 - ``layer_mask`` (B, T, L) bool: per-position plans for teacher forcing (METHOD.md "Training"):
   ``h_l(p) = h_{l-1}(p) + m_l(p) * (Layer_l(h_{l-1})(p) - h_{l-1}(p))``, implemented with
   ``torch.where`` so that kept rows are bit-identical to a skip.
+- ``row_layers`` (B, L) bool: one plan per *row* for an in-flight decode step (one new token per
+  row, rows at different steps or with different policies; METHOD.md "Rows at different steps in
+  one forward"). Layer l runs only on the rows whose plan holds it: their hidden states are
+  gathered (or used whole when every row runs it), run, and scattered back; other rows pass
+  through and cost nothing. The cache is then a :class:`~skipdecode.cache.SlotView`.
 
 Sparse teacher forcing (METHOD.md "Prefixes in training"; the default): layer l runs only on
 ``hidden[:, :n_l]``, n_l = 1 + the last position that any row runs l at; the masked update is kept
@@ -23,9 +28,11 @@ from typing import Any, Sequence
 import torch
 
 from .adapters import Adapter
-from .cache import SkipCache
+from .cache import SkipCache, SlotView
 
-__all__ = ["positions_from_mask", "build_attention_mask", "layer_attention_masks", "skip_forward"]
+__all__ = [
+    "positions_from_mask", "build_attention_mask", "build_row_attention_mask", "layer_attention_masks", "skip_forward",
+]
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -80,6 +87,54 @@ def layer_attention_masks(
     return [by_window[w] for w in adapter.layer_windows]
 
 
+def build_row_attention_mask(
+    attention_mask: torch.Tensor, dtype: torch.dtype, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Additive mask (B, 1, 1, K) for one new token per row whose query sits at that row's own
+    last real position ``q = sum(attention_mask[b]) - 1`` (rows of an in-flight step end at
+    different positions; keys after a row's query are other requests' stale slot entries).
+
+    Key j is allowed when ``attention_mask[b, j] == 1`` and, with a ``sliding_window`` W,
+    ``q - j < W``. The query's own key is always real, so no row is fully masked (PITFALLS 5).
+    """
+    K = attention_mask.shape[-1]
+    allowed = attention_mask.bool()
+    if sliding_window is not None:
+        q = attention_mask.long().sum(-1, keepdim=True) - 1
+        allowed = allowed & (q - torch.arange(K, device=attention_mask.device)[None, :] < sliding_window)
+    mask = torch.zeros((attention_mask.shape[0], 1, 1, K), dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill(~allowed[:, None, None, :], torch.finfo(dtype).min)
+
+
+def _take_rows(value, rows: torch.Tensor, batch: int):
+    """``value`` (a layer extra: tensor, tuple/list of them, or other) restricted to batch ``rows``."""
+    if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch:
+        return value.index_select(0, rows)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_rows(v, rows, batch) for v in value)
+    return value
+
+
+def _run_layer_on_rows(
+    adapter: Adapter, layer_idx: int, hidden: torch.Tensor, mask4d: torch.Tensor, cache: SlotView,
+    extra: dict, run: torch.Tensor,
+) -> torch.Tensor:
+    """Layer ``layer_idx`` on the rows where ``run`` (B,) bool is set; other rows of ``hidden``
+    (B, 1, C) are returned unchanged. Checks each running row's cache length first (RuntimeError)."""
+    rows = run.cpu().nonzero().flatten()  # the plan lives on the CPU: no device sync per layer
+    B = hidden.shape[0]
+    if rows.numel() == 0:
+        return hidden
+    view = cache.rows(rows)
+    view.check(layer_idx)
+    if rows.numel() == B:
+        return adapter.run_layer(layer_idx, hidden, mask4d, view, extra)
+    rows = rows.to(hidden.device)
+    sub_extra = {k: _take_rows(v, rows, B) for k, v in extra.items()}
+    out = adapter.run_layer(layer_idx, hidden.index_select(0, rows), mask4d.index_select(0, rows), view, sub_extra)
+    return hidden.index_copy(0, rows, out)
+
+
 def skip_forward(
     adapter: Adapter,
     input_ids: torch.Tensor,
@@ -87,7 +142,8 @@ def skip_forward(
     *,
     active_layers: Sequence[int] | None = None,
     layer_mask: torch.Tensor | None = None,
-    cache: SkipCache | None = None,
+    row_layers: torch.Tensor | None = None,
+    cache: SkipCache | SlotView | None = None,
     logits_last_only: bool = False,
     return_hidden: bool = False,
     sparse: bool = True,
@@ -102,7 +158,11 @@ def skip_forward(
             positions come from it (:func:`positions_from_mask`), never from a cache length.
         active_layers: ascending layer indices to run for all T positions (None: all layers).
         layer_mask: (B, T, L) bool, per-position plan (teacher forcing); excludes ``cache``.
-        cache: :class:`SkipCache`; every active layer must hold exactly K - T positions.
+        row_layers: (B, L) bool (best on the CPU), per-row plan of an in-flight decode step (T = 1); needs a
+            :class:`SlotView` cache whose rows end at their own positions: ``attention_mask``
+            row b is 1 exactly on that row's history and new token (no padding inside a slot).
+        cache: :class:`SkipCache`; every active layer must hold exactly K - T positions (with
+            ``row_layers``: a :class:`SlotView`, each running row's length at its position).
         logits_last_only: return logits for the last position only, (B, 1, V).
         return_hidden: return the final hidden state (B, T, C) before the head instead.
         sparse: with ``layer_mask``, run layer l on the first n_l positions only (see the module
@@ -115,34 +175,33 @@ def skip_forward(
         Logits (B, T, V) (or (B, 1, V), or hidden (B, T, C)).
 
     Raises:
-        ValueError: shapes disagree, or ``layer_mask`` / ``kv_prefix`` is combined with ``cache``.
+        ValueError: shapes disagree, ``layer_mask`` or ``kv_prefix`` is combined with ``cache``, or
+            ``row_layers`` comes without a :class:`SlotView`, with ``active_layers``/``layer_mask``,
+            or with T > 1.
         RuntimeError: an active layer's cached length is not K - T (a broken skip plan; the
             SkipDecode invariant of METHOD.md "Why the KV cache is always complete").
     """
     B, T = input_ids.shape
     K = attention_mask.shape[-1]
-    if attention_mask.shape[0] != B or K < T:
-        raise ValueError(
-            f"attention_mask must be (B={B}, K>={T}), got {tuple(attention_mask.shape)}"
-        )
-    if cache is not None and kv_prefix is not None:
-        raise ValueError("kv_prefix cannot be combined with a cache")
-    if layer_mask is not None:
-        if cache is not None:
-            raise ValueError("layer_mask (teacher forcing) cannot be combined with a cache; pass kv_prefix")
-        if layer_mask.shape != (B, T, adapter.num_layers):
-            raise ValueError(
-                f"layer_mask must be (B, T, L)=({B}, {T}, {adapter.num_layers}), got {tuple(layer_mask.shape)}"
-            )
+    _check_inputs(adapter, B, T, attention_mask, active_layers, layer_mask, row_layers, cache, kv_prefix)
     layers = range(adapter.num_layers) if active_layers is None else active_layers
     position_ids = positions_from_mask(attention_mask)[:, K - T :]
     hidden = adapter.embed(input_ids, position_ids)
-    masks = layer_attention_masks(adapter, attention_mask, T, hidden.dtype)  # per layer (B, 1, T, K)
+    if row_layers is not None:  # per layer (B, 1, 1, K), each row's query at its own position
+        by_window = {w: build_row_attention_mask(attention_mask, hidden.dtype, w)
+                     for w in dict.fromkeys(adapter.layer_windows)}
+        masks = [by_window[w] for w in adapter.layer_windows]
+    else:
+        masks = layer_attention_masks(adapter, attention_mask, T, hidden.dtype)  # per layer (B, 1, T, K)
     extra = adapter.layer_inputs(hidden, position_ids)
     extras = {T: extra}  # per prefix length (sparse teacher forcing)
     prefix = _active_prefix_lengths(layer_mask) if layer_mask is not None and sparse else None
     store = cache if cache is not None else kv_prefix
     for layer_idx in layers:
+        if row_layers is not None:
+            hidden = _run_layer_on_rows(adapter, layer_idx, hidden, masks[layer_idx], cache, extra,
+                                        row_layers[:, layer_idx])
+            continue
         if store is not None and store.lengths[layer_idx] != K - T:
             raise RuntimeError(
                 f"layer {layer_idx} holds {store.lengths[layer_idx]} cached positions, expected {K - T}: "
@@ -160,6 +219,26 @@ def skip_forward(
     if logits_last_only:
         hidden = hidden[:, -1:]
     return adapter.head(hidden)
+
+
+def _check_inputs(adapter, B, T, attention_mask, active_layers, layer_mask, row_layers, cache, kv_prefix) -> None:
+    """The argument checks of :func:`skip_forward` (ValueError naming what is wrong)."""
+    K = attention_mask.shape[-1]
+    if attention_mask.shape[0] != B or K < T:
+        raise ValueError(
+            f"attention_mask must be (B={B}, K>={T}), got {tuple(attention_mask.shape)}"
+        )
+    if cache is not None and kv_prefix is not None:
+        raise ValueError("kv_prefix cannot be combined with a cache")
+    if layer_mask is not None:
+        if cache is not None:
+            raise ValueError("layer_mask (teacher forcing) cannot be combined with a cache; pass kv_prefix")
+        if layer_mask.shape != (B, T, adapter.num_layers):
+            raise ValueError(
+                f"layer_mask must be (B, T, L)=({B}, {T}, {adapter.num_layers}), got {tuple(layer_mask.shape)}"
+            )
+    if row_layers is not None:
+        _check_row_layers(row_layers, B, T, adapter.num_layers, cache, active_layers, layer_mask)
 
 
 def _active_prefix_lengths(layer_mask: torch.Tensor) -> list[int]:
@@ -195,3 +274,15 @@ def _masked_layer(
     out = adapter.run_layer(layer_idx, part, mask4d[:, :, :n, : K - T + n], cache, extras[n])
     out = torch.where(keep[:, :n, None], out, part)
     return out if n == T else torch.cat([out, hidden[:, n:]], dim=1)
+
+
+def _check_row_layers(row_layers, B, T, num_layers, cache, active_layers, layer_mask) -> None:
+    """ValueError unless ``row_layers`` (B, L) bool comes alone with a SlotView and T == 1."""
+    if tuple(row_layers.shape) != (B, num_layers):
+        raise ValueError(f"row_layers must be (B, L)=({B}, {num_layers}), got {tuple(row_layers.shape)}")
+    if not isinstance(cache, SlotView):
+        raise ValueError("row_layers (per-row plans) needs a SlotView cache")
+    if active_layers is not None or layer_mask is not None:
+        raise ValueError("row_layers cannot be combined with active_layers or layer_mask")
+    if T != 1:
+        raise ValueError(f"row_layers runs one new token per row, got T={T}")

@@ -26,7 +26,9 @@ __all__ = [
     "StreamChunk",
     "GenerationResult",
     "generate_step",
+    "sample_rows",
     "encode_prompts",
+    "RowText",
     "stream_generate",
     "generate",
 ]
@@ -58,6 +60,19 @@ class StepOutput:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next tokens (B,) for ``logits`` (B, V): one greedy :class:`Sampler` for the whole batch
+    (``len(samplers) == 1``), else ``samplers[b]`` (row b's own generator) draws row b from
+    ``logits[b]`` with history ``input_ids[b]`` (B, K).
+
+    Raises:
+        RuntimeError: NaN logits (see :class:`Sampler`).
+    """
+    if len(samplers) == 1:
+        return samplers[0](logits, input_ids)
+    return torch.cat([s(logits[b : b + 1], input_ids[b : b + 1]) for b, s in enumerate(samplers)])
 
 
 @torch.inference_mode()
@@ -113,7 +128,10 @@ def generate_step(
             f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({adapter.num_layers})"
         )
     device = input_ids.device
-    sampler = Sampler(sampling or SamplingParams(), device=device)
+    # one generator per row (each seeded with the seed): a row's samples never depend on its
+    # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
+    params = sampling or SamplingParams()
+    samplers = [Sampler(params, device=device) for _ in range(1 if params.greedy else B)]
     cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
     mask = attention_mask.long()
@@ -133,7 +151,7 @@ def generate_step(
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
-        next_tokens = sampler(logits, all_ids)
+        next_tokens = sample_rows(samplers, logits, all_ids)
         emitted = ~finished
         next_tokens = torch.where(emitted, next_tokens, torch.full_like(next_tokens, pad_token_id))
         if eos.numel():
@@ -154,7 +172,7 @@ def generate_step(
         if bool(finished.all()):
             return
         tokens = next_tokens[:, None]
-        if not sampler.params.greedy:  # only the logits warpers read the history
+        if not params.greedy:  # only the logits warpers read the history
             all_ids = torch.cat([all_ids, tokens], dim=1)
 
 
@@ -335,6 +353,64 @@ def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
     return best
 
 
+class RowText:
+    """The text of one generated row, built token by token, and the deltas to stream.
+
+    Args:
+        tokenizer: the model's HF tokenizer (decodes with ``skip_special_tokens``).
+        eos_token_ids: ids that end the row (left out of the text).
+        stop: stop strings; the text is cut before the first one found.
+
+    Attributes:
+        ids: generated ids so far (a final EOS included).
+        text: the row's text so far (EOS left out, cut at a stop string).
+        reason: "length", "eos" (an EOS id was pushed) or "stop" (:meth:`stopped` found one).
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.printed = ""
+        self.reason = "length"
+
+    def stopped(self, ids: Sequence[int]) -> bool:
+        """True (and reason "stop") when the text of ``ids`` contains a stop string."""
+        if not self.stop:
+            return False
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if any(s in text for s in self.stop):
+            self.reason = "stop"
+            return True
+        return False
+
+    def push(self, token: int, final: bool) -> str:
+        """Add generated ``token``; ``final`` when the row ends with it. Returns the new text to
+        stream ("" when nothing visible is new)."""
+        self.ids.append(token)
+        if token in self.eos:
+            self.reason = "eos"
+        text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
+        if self.reason == "stop":
+            cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
+            text = text[:cut]
+        self.text = text
+        # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
+        # row's next token completes it or the row ends, so deltas never need rewriting.
+        shown = text if final else text.rstrip("\ufffd")
+        if not final:
+            # Likewise hold back a tail that may begin a stop string: it is cut if the stop
+            # string completes on a later token, and a streamed delta cannot be taken back.
+            shown = shown[: len(shown) - _partial_stop_len(shown, self.stop)]
+        if shown.startswith(self.printed) and len(shown) > len(self.printed):
+            delta = shown[len(self.printed) :]
+            self.printed = shown
+            return delta
+        return ""
+
+
 def stream_generate(
     adapter: Adapter,
     tokenizer,
@@ -368,20 +444,10 @@ def stream_generate(
     stop = [s for s in stop if s]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     B = input_ids.shape[0]
-    texts = [""] * B
-    printed = [""] * B
-    ids_out: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
-    eos_set = set(eos_token_ids)
+    rows = [RowText(tokenizer, eos_token_ids, stop) for _ in range(B)]
 
     def stop_fn(row: int, ids: list[int]) -> bool:
-        if not stop:
-            return False
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if any(s in text for s in stop):
-            reasons[row] = "stop"
-            return True
-        return False
+        return rows[row].stopped(ids)
 
     steps = generate_step(
         adapter,
@@ -408,32 +474,14 @@ def stream_generate(
         finished_now = out.finished.tolist()
         deltas = [""] * B
         for row in range(B):
-            if not emitted[row]:
-                continue
-            ids_out[row].append(column[row])
-            if column[row] in eos_set:
-                reasons[row] = "eos"
-            text = tokenizer.decode([t for t in ids_out[row] if t not in eos_set], skip_special_tokens=True)
-            if reasons[row] == "stop":
-                cut = min((text.find(s) for s in stop if s in text), default=len(text))
-                text = text[:cut]
-            texts[row] = text
-            # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
-            # row's next token completes it or the row ends, so deltas never need rewriting.
-            final = finished_now[row] or out.step == max_new_tokens - 1
-            shown = text if final else text.rstrip("\ufffd")
-            if not final:
-                # Likewise hold back a tail that may begin a stop string: it is cut if the stop
-                # string completes on a later token, and a streamed delta cannot be taken back.
-                shown = shown[: len(shown) - _partial_stop_len(shown, stop)]
-            if shown.startswith(printed[row]) and len(shown) > len(printed[row]):
-                deltas[row] = shown[len(printed[row]) :]
-                printed[row] = shown
+            if emitted[row]:
+                final = finished_now[row] or out.step == max_new_tokens - 1
+                deltas[row] = rows[row].push(column[row], final)
         yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist())
     record.update(
-        texts=texts,
-        token_ids=ids_out,
-        finish_reasons=reasons,
+        texts=[r.text for r in rows],
+        token_ids=[r.ids for r in rows],
+        finish_reasons=[r.reason for r in rows],
         prompt_tokens=attention_mask.sum(-1).tolist(),
         batch_size=B,
     )
@@ -451,17 +499,29 @@ def generate(
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
     on_chunk: Callable[[StreamChunk], None] | None = None,
+    max_batch_size: int | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
 
     Arguments as in :func:`stream_generate`; ``on_chunk`` is called with each streamed chunk.
+    ``max_batch_size`` (rows) switches from one static batch to in-flight batching
+    (:func:`skipdecode.engine.generate_inflight`): at most that many rows decode at once and a finished row's slot
+    goes to the next prompt at once, so a long row no longer holds the others. Greedy texts are
+    the same either way; seeded samples too (one generator per row).
 
     Raises:
-        ValueError: as in :func:`encode_prompts` and :func:`generate_step`.
+        ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     policy = policy or FullPolicy(adapter.num_layers)
+    if max_batch_size is not None:
+        from .engine import generate_inflight
+
+        return generate_inflight(
+            adapter, tokenizer, prompts, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
+            stop=stop, chat=chat, eos_token_ids=eos_token_ids, on_chunk=on_chunk, max_batch_size=max_batch_size,
+        )
     record: dict = {}
     for chunk in stream_generate(
         adapter,
@@ -478,3 +538,4 @@ def generate(
         if on_chunk is not None:
             on_chunk(chunk)
     return GenerationResult.from_record(record, adapter.num_layers, policy)
+

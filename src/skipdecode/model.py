@@ -170,10 +170,12 @@ class SkipModel:
         seed: int | None = None,
         stop: Sequence[str] = (),
         chat: bool | None = None,
+        max_batch_size: int | None = None,
     ) -> GenerationResult:
         """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
         prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
-        token ids, encoded by :func:`skipdecode.prompts.encode_prompt`.
+        token ids, encoded by :func:`skipdecode.prompts.encode_prompt`. ``max_batch_size`` (rows)
+        runs the prompts with in-flight batching.
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field).
@@ -184,6 +186,7 @@ class SkipModel:
             prompts,
             max_new_tokens=max_new_tokens,
             stop=stop,
+            max_batch_size=max_batch_size,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
         )
 

@@ -72,8 +72,9 @@ class APIError(HTTPException):
     ``invalid_request_error``.
     """
 
-    def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None):
-        super().__init__(status_code=status_code, detail=message)
+    def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
+                 headers: Optional[Mapping[str, str]] = None):
+        super().__init__(status_code=status_code, detail=message, headers=dict(headers) if headers else None)
         self.param = param
         self.kind = kind or default_kind(status_code)
 

@@ -3,9 +3,11 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``GET /health``. Besides the OpenAI fields, a request may
 carry the SkipDecode fields ``speedup`` or ``max_layers``/``min_layers``/``warmup_layers``/``horizon``;
-the response's ``usage`` carries the generation statistics (``skipdecode`` key). A completions
-request with a list of prompts runs as one left-padded batch. Requests are served one batch at a
-time (a lock around the engine). ``GET /v1/models/{model}`` retrieves the served model.
+the response's ``usage`` carries the generation statistics (``skipdecode`` key). Concurrent
+requests share forward passes: each prompt is a row of one in-flight batch with its own decode
+step and policy (:mod:`skipdecode.scheduler`, no global lock); a completions request with a list
+of prompts gives several rows. A full waiting queue answers 429; a client that disconnects has its
+rows cancelled at the next step. ``GET /v1/models/{model}`` retrieves the served model.
 
 Streaming: with ``"stream_options": {"include_usage": true}`` (only allowed with ``stream: true``)
 one last chunk before ``data: [DONE]`` has ``choices: []`` and the ``usage`` of the non-streamed
@@ -24,18 +26,19 @@ names it; 404 for an unknown model or route; 500 with type ``server_error`` for 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import GenerationResult, stream_generate
+from .execution import Executor, Submission
 from .jsonio import dumps, json_safe
 from .model import SkipModel
 from .protocol import (
@@ -50,6 +53,7 @@ from .protocol import (
     validate_request,
     validation_message,
 )
+from .scheduler import QueueFull, Scheduler
 
 __all__ = ["create_app", "APIError", "CompletionRequest", "ChatCompletionRequest", "StreamOptions"]
 
@@ -81,8 +85,44 @@ def _param_in(message: str, fields: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
+class _BodyLimit:
+    """ASGI middleware: a body whose Content-Length exceeds ``max_request_bytes`` (bytes) answers
+    413 in OpenAI's error shape before it is read. (A pure ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` would hide the client's disconnect from the endpoints.)"""
+
+    def __init__(self, app, max_request_bytes: int) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_request_bytes:
+                response = _error_response(
+                    413, f"the request body is {int(length)} bytes; this server accepts at most "
+                    f"{self.max_request_bytes} (max_request_bytes)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(
+    model: SkipModel,
+    model_name: str = "skipdecode",
+    *,
+    max_batch_size: int = 32,
+    max_waiting: int = 256,
+    serial: bool = False,
+    max_request_bytes: int = 1_000_000,
+) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
+
+    Requests share forward passes through one in-flight :class:`~skipdecode.scheduler.Scheduler`
+    (``max_batch_size`` rows decode at once, ``max_waiting`` rows may wait for a slot; a full
+    queue answers 429). ``serial`` serves one row at a time (the one-at-a-time design, kept for
+    comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
+    before it is read. The app's ``state.scheduler`` is the scheduler (``/health`` reports it).
+
 
     Every error answers OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``:
     bad request values (a bad policy, an empty prompt, a prompt longer than the context, a schema
@@ -92,7 +132,11 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
-    lock = threading.Lock()
+    scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting)
+    executor = Executor(model, scheduler)
+    app.state.scheduler = scheduler
+    app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
+    tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,16 +159,41 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         prompt_field = "messages" if kind == "chat" else "prompt"
         return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop"})
 
-    def run(job: ValidRequest):
-        sampling = job.sampling
-        with lock:
-            try:
-                return model.generate(
-                    job.prompts, max_new_tokens=job.max_new_tokens, policy=job.policy, temperature=sampling.temperature,
-                    top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed, stop=job.stop, chat=False,
-                )
-            except ValueError as e:
-                raise APIError(400, str(e), param=engine_param(str(e), job.kind)) from None
+    async def validate(req) -> ValidRequest:
+        """:func:`validate_request` (prompts tokenized) on a worker thread, off the event loop."""
+        def check() -> ValidRequest:
+            with tokenizer_lock:
+                return validate_request(req, model, model_name)
+
+        return await asyncio.to_thread(check)
+
+    async def submit(job: ValidRequest) -> Submission:
+        """Queue a validated request: 400 if the engine refuses it, 429 for a full queue."""
+        try:
+            return executor.submit(job)
+        except ValueError as e:
+            raise APIError(400, str(e), param=engine_param(str(e), job.kind)) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+
+    async def collect(sub: Submission, request: Request):
+        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while not sub.finished:
+                try:
+                    await sub.next(timeout=0.25)
+                except asyncio.TimeoutError:
+                    pass
+                if loop.time() - checked >= 0.25:  # look for a vanished client 4 times a second
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return None
+            return sub.result(model.num_layers)
+        finally:
+            if not sub.finished:
+                sub.cancel()
 
     def usage(result) -> dict[str, Any]:
         """OpenAI ``usage`` (tokens) plus ``skipdecode``: the run's statistics (NaN as null)."""
@@ -136,54 +205,47 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
             "skipdecode": stats,
         }
 
-    def stream(job: ValidRequest) -> Iterator[str]:
+    async def stream(sub: Submission, job: ValidRequest) -> AsyncIterator[str]:
         """Server-sent events of one request: text deltas, each row's finish reason, with
-        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``."""
-        prompts, policy, kind, include_usage = job.prompts, job.policy, job.kind, job.include_usage
+        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``.
+        If the client goes away, the generator is closed and the rows are cancelled."""
+        include_usage, kind = job.include_usage, job.kind
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        with lock:
-            record: dict = {}  # filled by stream_generate when it ends: the run's statistics
-            chunks = stream_generate(
-                model.adapter, model.tokenizer, prompts, policy=policy, sampling=job.sampling,
-                max_new_tokens=job.max_new_tokens, stop=job.stop, chat=False, _record=record,
-            )
-            obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n = len(sub.requests)
 
-            def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
-                body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-                if include_usage:
-                    body["usage"] = use  # OpenAI: null on every chunk but the last
-                return "data: " + dumps(body) + "\n\n"
+        def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = use  # OpenAI: null on every chunk but the last
+            return "data: " + dumps(body) + "\n\n"
 
-            def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
-                if kind == "chat":
-                    delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-                    choice = {"index": i, "delta": delta, "finish_reason": finish}
-                else:
-                    choice = {"index": i, "text": text or "", "finish_reason": finish}
-                return sse([choice])
-
+        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
             if kind == "chat":
-                for i in range(len(prompts)):
+                delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+                choice = {"index": i, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text or "", "finish_reason": finish}
+            return sse([choice])
+
+        try:
+            if kind == "chat":
+                for i in range(n):
                     yield event(i, role=True)
-            ended: set[int] = set()
-            try:
-                for chunk in chunks:
-                    for i, delta in enumerate(chunk.deltas):
-                        if delta:
-                            yield event(i, delta)
-                        if chunk.finished[i] and i not in ended:  # EOS or a stop string
-                            ended.add(i)
-                            yield event(i, finish="stop")
-                for i in range(len(prompts)):
-                    if i not in ended:
-                        yield event(i, finish="length")
-                if include_usage:
-                    yield sse([], usage(GenerationResult.from_record(record, model.num_layers, policy)))
-            except ValueError as e:  # headers are sent: the error travels as an event
-                err = error_body(str(e), "invalid_request_error", engine_param(str(e), kind))
-                yield "data: " + dumps(err) + "\n\n"
+            while not sub.finished:
+                i, delta, finished = await sub.next()
+                if delta:
+                    yield event(i, delta)
+                if finished:
+                    yield event(i, finish=reason(sub.texts[i].reason))
+            if include_usage:
+                yield sse([], usage(sub.result(model.num_layers)))
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
+            yield "data: " + dumps(error_body(f"generation failed ({type(e).__name__})", "server_error")) + "\n\n"
+        finally:
+            if not sub.finished:
+                sub.cancel()
         yield "data: [DONE]\n\n"
 
     def reason(r: str) -> str:
@@ -191,7 +253,8 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "num_layers": model.num_layers, "policy": model.policy.to_dict()}
+        return {"status": "ok", "num_layers": model.num_layers, "policy": model.policy.to_dict(),
+                "scheduler": scheduler.stats()}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -207,11 +270,14 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         return model_card()
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
-        job = validate_request(req, model, model_name)  # every check before the engine (and the stream)
+    async def completions(req: CompletionRequest, request: Request):
+        job = await validate(req)  # every check before the queue (and the stream)
+        sub = await submit(job)
         if job.stream:
-            return StreamingResponse(stream(job), media_type="text/event-stream")
-        result = run(job)
+            return StreamingResponse(stream(sub, job), media_type="text/event-stream")
+        result = await collect(sub, request)
+        if result is None:
+            return Response(status_code=499)  # the client is gone
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}",
             "object": "text_completion",
@@ -225,11 +291,14 @@ def create_app(model: SkipModel, model_name: str = "skipdecode") -> FastAPI:
         }
 
     @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatCompletionRequest):
-        job = validate_request(req, model, model_name)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        job = await validate(req)
+        sub = await submit(job)
         if job.stream:
-            return StreamingResponse(stream(job), media_type="text/event-stream")
-        result = run(job)
+            return StreamingResponse(stream(sub, job), media_type="text/event-stream")
+        result = await collect(sub, request)
+        if result is None:
+            return Response(status_code=499)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
             "object": "chat.completion",

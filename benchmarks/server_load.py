@@ -1,0 +1,220 @@
+"""Server load: requests/s, tokens/s, latency and time to first token of ``skipdecode serve`` under
+1, 4, 16 and 64 concurrent clients, in-flight batching against one-at-a-time (``--serial``).
+
+For each mode (a fresh server process on loopback each) and each number of concurrent clients C,
+C clients (the official ``openai`` client, streaming with ``include_usage``) each send their share
+of ``max(8, 2 C)`` E2E-style prompts one after another, ``--max-tokens`` new tokens each (greedy), at
+full depth and at each ``--speedup`` (the request's ``speedup`` field). Prompts come from the E2E
+test set in the shared data folder (the eval prompt template), else from built-in MRs.
+
+Prints a Markdown table and ends with one JSON line; writes ``benchmarks/results/server_load.json``
+(repo-relative paths). Targets (issue 10): at 16 clients, in-flight full depth >= 3x the
+requests/s of serial full depth, and in-flight 2x >= 1.5x in-flight full depth.
+
+    python benchmarks/server_load.py                                    # embedded SmolLM2-135M
+    python benchmarks/server_load.py --clients 1,4 --max-tokens 8 --model DIR --name smoke  # quick look
+
+Needs ``pip install -e ".[bench]"`` (the ``openai`` client). Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+FALLBACK_MRS = [
+    "name[The Eagle], eatType[coffee shop], food[French], priceRange[moderate], area[riverside]",
+    "name[Blue Spice], eatType[pub], food[Chinese], area[city centre], familyFriendly[yes]",
+    "name[The Mill], eatType[restaurant], food[Italian], priceRange[cheap], near[Café Rouge]",
+    "name[Aromi], eatType[coffee shop], customer rating[5 out of 5], area[riverside]",
+]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="server_load.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="model for `skipdecode serve --model` (default: embedded)")
+    p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrent clients")
+    p.add_argument("--speedups", default="1,2", help="comma-separated request speedups (1 = full depth)")
+    p.add_argument("--modes", default="inflight,serial", help="inflight and/or serial")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--name", default="server_load", help="results base name under --out")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    try:
+        args.clients = [int(x) for x in args.clients.split(",")]
+        args.speedups = [float(x) for x in args.speedups.split(",")]
+    except ValueError:
+        p.error("--clients and --speedups take comma-separated numbers")
+    args.modes = args.modes.split(",")
+    if not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1:
+        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1")
+    return args
+
+
+def prompts() -> list[str]:
+    """E2E test prompts (eval template) from the shared data folder, else the built-in MRs."""
+    try:
+        from skipdecode.data import default_data_dir, load_eval_items
+
+        root = default_data_dir()
+        if root is not None:
+            return [it.prompt for it in load_eval_items(str(root / "e2e" / "testset_w_refs.csv"), task="e2e")]
+    except Exception:  # noqa: BLE001 - any data problem: fall back to built-in prompts
+        pass
+    from skipdecode.data import TEMPLATES
+
+    return [TEMPLATES["e2e"].format(mr=mr) for mr in FALLBACK_MRS]
+
+
+def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from skipdecode.cli import main; main()", "serve", "--port", str(port),
+           "--device", args.device, "--dtype", args.dtype, "--name", "bench",
+           "--max-batch-size", str(args.max_batch_size), "--max-waiting", "4096"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if serial:
+        cmd.append("--serial")
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited with status {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit("error: the server did not start within 600 s")
+
+
+async def one_request(client, prompt: str, max_tokens: int, speedup: float) -> tuple[float, float, int]:
+    """(latency s, time to first token s, completion tokens) of one streamed request."""
+    extra = {} if speedup == 1 else {"speedup": speedup}
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.completions.create(
+        model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=extra,
+    )
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return end - t0, (first or end) - t0, tokens
+
+
+async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int) -> dict:
+    from openai import AsyncOpenAI
+
+    total = max(8, 2 * clients)
+    queue = [texts[i % len(texts)] for i in range(total)]
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
+        await one_request(client, queue[0], 2, speedup)  # warm-up, untimed
+        results: list[tuple[float, float, int]] = []
+
+        async def worker(k: int) -> None:
+            for prompt in queue[k::clients]:
+                results.append(await one_request(client, prompt, max_tokens, speedup))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+        seconds = time.perf_counter() - t0
+    lat = np.array([r[0] for r in results])
+    ttft = np.array([r[1] for r in results])
+    tokens = sum(r[2] for r in results)
+    return {
+        "clients": clients, "speedup": speedup, "requests": total, "seconds": seconds,
+        "requests_per_second": total / seconds, "tokens_per_second": tokens / seconds,
+        "completion_tokens": tokens,
+        "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95)),
+        "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = "| mode | clients | speedup | req/s | tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
+                     f"{r['tokens_per_second']:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> dict:
+    """Issue 10's targets at 16 clients (None where a needed cell was not run)."""
+    def rps(mode: str, speedup: float):
+        return next((r["requests_per_second"] for r in rows
+                     if r["mode"] == mode and r["clients"] == 16 and r["speedup"] == speedup), None)
+
+    full_in, full_serial, two_in = rps("inflight", 1.0), rps("serial", 1.0), rps("inflight", 2.0)
+    inflight_over_serial = full_in / full_serial if full_in and full_serial else None
+    two_over_full = two_in / full_in if two_in and full_in else None
+    return {
+        "inflight_over_serial_at_16": inflight_over_serial,
+        "inflight_over_serial_target": 3.0,
+        "two_x_over_full_at_16": two_over_full,
+        "two_x_over_full_target": 1.5,
+        "met": None if inflight_over_serial is None or two_over_full is None
+        else bool(inflight_over_serial >= 3.0 and two_over_full >= 1.5),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    texts = prompts()
+    rows: list[dict] = []
+    for mode in args.modes:
+        proc, url = start_server(args, serial=mode == "serial")
+        try:
+            for clients in args.clients:
+                for speedup in args.speedups:
+                    row = {"mode": mode, **asyncio.run(load(url, texts, clients, speedup, args.max_tokens))}
+                    rows.append(row)
+                    print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
+                          f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.json"
+    result = {
+        "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
+        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "device": args.device,
+        "dtype": args.dtype, "rows": rows, "targets": targets(rows),
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
+        "results_file": os.path.relpath(path, ROOT),
+    }
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(rows))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

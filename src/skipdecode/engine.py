@@ -1,0 +1,411 @@
+"""In-flight batching engine: every running row carries its own decode step and policy.
+
+METHOD.md "Rows at different steps in one forward". A request waits in a queue; when a slot is
+free it is prefilled at full depth (with the other requests joining at the same step, as one
+left-padded batch), its real K/V positions are copied into its own slot of a
+:class:`~skipdecode.cache.SlotCache`, and it emits generated token 0. At every later
+:meth:`Engine.step`, each running row feeds its last token through *its own* plan
+``policy.active_layers(t)`` (t its own decode step): one :func:`~skipdecode.forward.skip_forward`
+call with ``row_layers``, in which each layer runs only on the rows whose plan holds it. A row that
+ends (EOS, a stop condition, its token budget, or cancellation) frees its slot at once, and a waiting
+request takes it at the next step.
+
+Sampling draws each row with its own :class:`~skipdecode.sampling.Sampler` (own generator, seeded by
+the request's seed), so a request's tokens never depend on its neighbours.
+
+The engine is synchronous and not thread-safe; :mod:`skipdecode.scheduler` runs it in a thread
+for the server, and :func:`generate_inflight` runs it on the caller's thread for many prompts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .adapters import Adapter
+from .cache import SkipCache, SlotCache
+from .forward import skip_forward
+from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
+from .policy import FullPolicy, SkipPolicy
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight"]
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt to complete.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (no padding), at least one.
+        max_new_tokens: most generated tokens (tokens), >= 1.
+        policy: the row's skip policy (None: full depth).
+        sampling: the row's sampling settings (None: greedy); its seed seeds the row's own generator.
+        eos_token_ids: generated ids that end the row (emitted, then the row stops).
+        stop_fn: ``stop_fn(generated_ids) -> bool`` after each token (e.g. stop strings); True ends
+            the row with reason "stop".
+        tag: anything the caller wants back on the events (e.g. a request id and row index).
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 64
+    policy: SkipPolicy | None = None
+    sampling: SamplingParams | None = None
+    eos_token_ids: Sequence[int] = ()
+    stop_fn: Callable[[list[int]], bool] | None = None
+    tag: Any = None
+
+
+@dataclass(eq=False)
+class Row:
+    """A running (or finished) request's state and statistics.
+
+    Attributes:
+        request: the :class:`Request`.
+        slot: its slot in the :class:`SlotCache`.
+        length: tokens held in its slot (prompt + fed generated tokens), its next write position.
+        tokens: generated ids so far.
+        finished: True once it ended; ``reason`` is then "eos", "stop", "length" or "cancelled".
+        layers_run: layers run at each of its decode steps t >= 1.
+        prefill_seconds: wall-clock time of the prefill it joined with (its time to first token), s.
+        decode_seconds: wall-clock time of the engine steps it took part in, s.
+        joined_at: engine step count when it joined (for tests and statistics).
+    """
+
+    request: Request
+    slot: int
+    length: int
+    sampler: Sampler
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    reason: str | None = None
+    layers_run: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    joined_at: int = 0
+
+    @property
+    def step(self) -> int:
+        """Index of the last generated token (0: from the prefill)."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one row.
+
+    Attributes:
+        row: the :class:`Row` (its ``request.tag`` identifies the caller's request).
+        step: generated-token index (0 = from the prefill).
+        token: the id.
+        num_layers_run: layers run to produce it (all at step 0).
+        finished: the row ended with this token; ``row.reason`` says why.
+        logits: (V,) logits it was drawn from, when the engine keeps them (``keep_logits``), else None.
+    """
+
+    row: Row
+    step: int
+    token: int
+    num_layers_run: int
+    finished: bool
+    logits: torch.Tensor | None = None
+
+
+class Engine:
+    """Slots, a waiting queue and the step loop of in-flight batching.
+
+    Args:
+        adapter: the model's adapter.
+        max_batch_size: most rows decoding at once (slots), >= 1.
+        keep_logits: attach each token's logits to its :class:`TokenEvent` (tests).
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1.
+    """
+
+    def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.adapter = adapter
+        self.max_batch_size = max_batch_size
+        self.keep_logits = keep_logits
+        self.device = next(adapter.model.parameters()).device
+        capacity = min(256, adapter.max_positions or 256)
+        self.cache = SlotCache(adapter.num_layers, max_batch_size, capacity=capacity)
+        self.free_slots = list(range(max_batch_size))
+        self.running: list[Row] = []
+        self.waiting: deque[Request] = deque()
+        self.steps = 0
+        self.generated_tokens = 0
+        self.prefill_seconds = 0.0  # totals over the engine's life (seconds)
+        self.decode_seconds = 0.0
+        self.decode_steps = 0  # steps that decoded at least one row
+        self._cancelled: set[int] = set()
+
+    # -- queue -------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Raise ValueError (naming the field) if ``request`` cannot run on this model: an empty
+        prompt, ``max_new_tokens`` < 1, prompt + ``max_new_tokens`` beyond the context
+        (``max_positions``), or a policy for another layer count."""
+        n = request.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        P = len(request.prompt_ids)
+        if P == 0:
+            raise ValueError("prompts: a prompt must hold at least one token")
+        self.adapter.check_context(P, n)  # P + n - 1 positions: the last token is never fed back
+        policy = request.policy
+        if policy is not None and policy.num_layers != self.adapter.num_layers:
+            raise ValueError(
+                f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({self.adapter.num_layers})"
+            )
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; it joins at a later :meth:`step` when a slot is free.
+
+        Raises:
+            ValueError: as :meth:`check`.
+        """
+        self.check(request)
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Drop ``request`` (waiting or running) at the start of the next :meth:`step`; its slot is freed."""
+        self._cancelled.add(id(request))
+
+    @property
+    def busy(self) -> bool:
+        """True while a request runs or waits."""
+        return bool(self.running or self.waiting)
+
+    # -- step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """One engine step: drop cancelled requests, decode one token for every running row
+        (each with its own plan), then prefill waiting requests into free slots (their token 0).
+
+        Returns the step's :class:`TokenEvent` list (cancelled rows get none).
+
+        Raises:
+            RuntimeError: NaN logits (:class:`~skipdecode.sampling.Sampler`), or a layer about to
+                run for a row without that row's complete history (a non-monotone policy).
+        """
+        self._drop_cancelled()
+        events = self._decode() if self.running else []
+        joiners = []
+        while self.waiting and len(joiners) < len(self.free_slots):
+            joiners.append(self.waiting.popleft())
+        if joiners:
+            events += self._prefill(joiners)
+        self.steps += 1
+        self.generated_tokens += len(events)
+        return events
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        self.waiting = deque(r for r in self.waiting if id(r) not in self._cancelled)
+        for row in [r for r in self.running if id(r.request) in self._cancelled]:
+            row.finished, row.reason = True, "cancelled"
+            self._release(row)
+        self._cancelled.clear()
+
+    def _release(self, row: Row) -> None:
+        self.running.remove(row)
+        self.cache.free(row.slot)
+        heapq.heappush(self.free_slots, row.slot)
+
+    def _prefill(self, joiners: list[Request]) -> list[TokenEvent]:
+        """Full-depth prefill of ``joiners`` as one left-padded batch; copy into free slots."""
+        start = time.perf_counter()
+        lens = [len(r.prompt_ids) for r in joiners]
+        P = max(lens)
+        ids = torch.zeros((len(joiners), P), dtype=torch.long)
+        mask = torch.zeros((len(joiners), P), dtype=torch.long)
+        for i, r in enumerate(joiners):
+            ids[i, P - lens[i] :] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
+            mask[i, P - lens[i] :] = 1
+        prefill_cache = SkipCache(self.adapter.num_layers, capacity=P)
+        logits = skip_forward(
+            self.adapter, ids.to(self.device), mask.to(self.device), cache=prefill_cache, logits_last_only=True
+        )[:, -1]
+        rows = []
+        for i, r in enumerate(joiners):
+            slot = heapq.heappop(self.free_slots)
+            self.cache.load_prefill(slot, prefill_cache, i, P - lens[i], P)
+            sampler = Sampler(r.sampling or SamplingParams(), device=self.device)
+            rows.append(Row(r, slot, lens[i], sampler, joined_at=self.steps))
+        seconds = time.perf_counter() - start
+        for row in rows:
+            row.prefill_seconds = seconds
+        self.prefill_seconds += seconds
+        self.running = sorted(self.running + rows, key=lambda row: row.slot)
+        return self._emit(rows, logits, [self.adapter.num_layers] * len(rows), start)
+
+    def _decode(self) -> list[TokenEvent]:
+        """One token for every running row, each through its own plan."""
+        start = time.perf_counter()
+        rows = list(self.running)
+        L = self.adapter.num_layers
+        positions = torch.tensor([r.length for r in rows], dtype=torch.long)
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        K = int(positions.max()) + 1
+        row_layers = torch.zeros((len(rows), L), dtype=torch.bool)
+        counts = []
+        for i, r in enumerate(rows):
+            active = (r.request.policy or FullPolicy(L)).active_layers(r.step + 1)
+            row_layers[i, list(active)] = True
+            counts.append(len(active))
+        mask = (torch.arange(K)[None, :] <= positions[:, None]).long()
+        tokens = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
+        view = self.cache.view(slots, positions, K)
+        logits = skip_forward(
+            self.adapter, tokens.to(self.device), mask.to(self.device),
+            row_layers=row_layers, cache=view,
+        )[:, -1]
+        for i, r in enumerate(rows):
+            r.length += 1
+            r.layers_run.append(counts[i])
+        events = self._emit(rows, logits, counts, start)
+        self.decode_seconds += time.perf_counter() - start
+        self.decode_steps += 1
+        return events
+
+    def _emit(self, rows: list[Row], logits: torch.Tensor, counts: list[int], start: float) -> list[TokenEvent]:
+        """Sample one token per row from ``logits`` (B, V), record it, end rows that are done."""
+        tokens = self._sample(rows, logits)
+        events = []
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            row.tokens.append(token)
+            req = row.request
+            if token in req.eos_token_ids:
+                row.finished, row.reason = True, "eos"
+            elif req.stop_fn is not None and req.stop_fn(row.tokens):
+                row.finished, row.reason = True, "stop"
+            elif len(row.tokens) >= req.max_new_tokens:
+                row.finished, row.reason = True, "length"
+            kept = logits[i].detach().clone() if self.keep_logits else None
+            events.append(TokenEvent(row, row.step, token, counts[i], row.finished, kept))
+        seconds = time.perf_counter() - start
+        for row in rows:
+            if row.step > 0:
+                row.decode_seconds += seconds
+            if row.finished:
+                self._release(row)
+        return events
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+        """Greedy rows by one argmax; sampled rows each with their own generator."""
+        greedy = [i for i, r in enumerate(rows) if r.sampler.params.greedy]
+        out = [0] * len(rows)
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            picked = rows[greedy[0]].sampler(logits.index_select(0, index)).tolist()
+            for i, t in zip(greedy, picked):
+                out[i] = t
+        for i, r in enumerate(rows):
+            if not r.sampler.params.greedy:
+                history = torch.tensor([list(r.request.prompt_ids) + r.tokens], device=logits.device)
+                out[i] = int(r.sampler(logits[i : i + 1], history)[0])
+        return out
+
+    def run(self, requests: Sequence[Request], on_event: Callable[[TokenEvent], None] | None = None) -> list[Row]:
+        """Submit ``requests`` and step until all end; return their :class:`Row` in request order.
+
+        ``on_event`` is called with each :class:`TokenEvent`. Raises ValueError as :meth:`check`
+        (before anything runs).
+        """
+        for r in requests:
+            self.check(r)
+        done: dict[int, Row] = {}
+        for r in requests:
+            self.submit(r)
+        while self.busy:
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(ev)
+                if ev.finished:
+                    done[id(ev.row.request)] = ev.row
+        return [done[id(r)] for r in requests]
+
+
+def generate_inflight(
+    adapter: Adapter,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    policy: SkipPolicy | None = None,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    eos_token_ids: Sequence[int] | None = None,
+    on_chunk: Callable[[StreamChunk], None] | None = None,
+    max_batch_size: int = 32,
+) -> GenerationResult:
+    """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
+    is a row with its own decode step; at most ``max_batch_size`` rows decode at once.
+
+    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
+    and in decode steps; ``layers_run`` holds one entry per row per decode step, and
+    ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
+    run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
+    :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
+    a token, ``active_layers`` the largest plan run in it).
+
+    Raises:
+        ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
+            (before anything runs); ``max_batch_size`` < 1.
+    """
+    policy = policy or FullPolicy(adapter.num_layers)
+    device = next(adapter.model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, prompts, chat=chat)
+    if eos_token_ids is None:
+        eos_token_ids = _eos_ids(tokenizer, adapter.model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
+    texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
+    engine = Engine(adapter, max_batch_size)
+    requests = [
+        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
+                texts[i].stopped if texts[i].stop else None, tag=i)
+        for i in range(len(prompts))
+    ]
+    for r in requests:
+        engine.check(r)
+    for r in requests:
+        engine.submit(r)
+    layers_run: list[int] = []
+    finished = [False] * len(prompts)
+    while engine.busy:
+        events = engine.step()
+        deltas = [""] * len(prompts)
+        column = torch.full((len(prompts),), pad, dtype=torch.long)
+        for ev in events:
+            i = ev.row.request.tag
+            deltas[i] = texts[i].push(ev.token, ev.finished)
+            column[i] = ev.token
+            finished[i] = ev.finished
+            if ev.step > 0:
+                layers_run.append(ev.num_layers_run)
+        if on_chunk is not None and events:
+            widest = max(ev.num_layers_run for ev in events)
+            on_chunk(StreamChunk(engine.steps - 1, column.to(device), deltas, tuple(range(widest)), list(finished)))
+    return GenerationResult(
+        texts=[t.text for t in texts],
+        token_ids=[t.ids for t in texts],
+        finish_reasons=[t.reason for t in texts],
+        prompt_tokens=[len(r.prompt_ids) for r in requests],
+        new_tokens=[len(t.ids) for t in texts],
+        prefill_seconds=engine.prefill_seconds,
+        decode_seconds=engine.decode_seconds,
+        decode_steps=len(layers_run),
+        layers_run=layers_run,
+        num_layers=adapter.num_layers,
+        batch_size=min(max_batch_size, len(prompts)),
+        policy=policy.to_dict(),
+    )

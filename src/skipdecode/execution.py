@@ -1,0 +1,125 @@
+"""How the server executes a request validated by :func:`skipdecode.protocol.validate_request`
+(prompts already token ids, lengths already checked): check it against the engine before it is
+queued, hand its rows to the shared :class:`~skipdecode.scheduler.Scheduler`, and turn the
+engine's token events into text deltas and a :class:`~skipdecode.generate.GenerationResult` (the
+response's ``usage``).
+
+Nothing here holds a lock across an ``await`` or a ``yield``, and nothing blocks a worker thread
+while waiting for tokens, so a slow or vanished client can never stall the others (issue 10's two
+hangs). A request whose client disconnects is cancelled: its rows leave the batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .engine import Request, Row, TokenEvent
+from .generate import GenerationResult, RowText, _eos_ids
+from .model import SkipModel
+from .scheduler import Scheduler
+
+__all__ = ["Executor", "Submission"]
+
+
+class Submission:
+    """The rows of one HTTP request in the scheduler, seen from the event loop.
+
+    Create it on the event loop (it captures the running loop), then :meth:`start`. Events arrive
+    through an ``asyncio.Queue`` fed thread-safely by the engine thread.
+    """
+
+    def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any) -> None:
+        self.scheduler = scheduler
+        self.requests = requests
+        self.texts = texts
+        self.job = job
+        self.rows: list[Row | None] = [None] * len(requests)
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.failed = False
+
+    def _sink(self, event: TokenEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def start(self) -> None:
+        """Queue the rows. Raises :class:`~skipdecode.scheduler.QueueFull` or ValueError (nothing queued)."""
+        self.scheduler.submit(self.requests, self._sink)
+
+    @property
+    def finished(self) -> bool:
+        """True when every row has ended (or the engine failed while they ran)."""
+        return self.failed or all(r is not None for r in self.rows)
+
+    async def next(self, timeout: float | None = None) -> tuple[int, str, bool]:
+        """The next event as ``(row index, text delta, row finished)``.
+
+        Raises:
+            asyncio.TimeoutError: nothing within ``timeout`` seconds.
+            Exception: the engine failed while this request ran (the step's exception).
+        """
+        event = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(event, BaseException):
+            self.failed = True  # the scheduler dropped every row of this request
+            raise event
+        i = event.row.request.tag
+        delta = self.texts[i].push(event.token, event.finished)
+        if event.finished:
+            self.rows[i] = event.row
+        return i, delta, event.finished
+
+    def cancel(self) -> None:
+        """Drop the rows that have not ended; they leave the batch at the next engine step."""
+        self.scheduler.cancel([r for r, row in zip(self.requests, self.rows) if row is None])
+
+    def result(self, num_layers: int) -> GenerationResult:
+        """The finished request's :class:`GenerationResult` (its ``usage.skipdecode``).
+
+        Per row, one request's rows ran their own steps: ``layers_run`` holds every row's decode
+        steps (so ``theoretical_speedup`` = L x row-steps / layers run, METHOD.md), ``decode_steps``
+        and ``decode_seconds`` are those of its longest row, ``prefill_seconds`` its slowest
+        prefill (time to first token).
+        """
+        rows = [r for r in self.rows if isinstance(r, Row)]
+        return GenerationResult(
+            texts=[t.text for t in self.texts],
+            token_ids=[t.ids for t in self.texts],
+            finish_reasons=[t.reason for t in self.texts],
+            prompt_tokens=[len(r.prompt_ids) for r in self.requests],
+            new_tokens=[len(t.ids) for t in self.texts],
+            prefill_seconds=max(r.prefill_seconds for r in rows),
+            decode_seconds=max(r.decode_seconds for r in rows),
+            decode_steps=max(len(r.layers_run) for r in rows),
+            layers_run=[n for r in rows for n in r.layers_run],
+            num_layers=num_layers,
+            batch_size=len(rows),
+            policy=self.job.policy.to_dict(),
+        )
+
+
+class Executor:
+    """Builds :class:`Submission` objects for ``model`` on ``scheduler``."""
+
+    def __init__(self, model: SkipModel, scheduler: Scheduler) -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.eos_token_ids = _eos_ids(model.tokenizer, model.model)
+
+    def submit(self, job: Any) -> Submission:
+        """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
+        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``); call it on the event loop.
+
+        Raises:
+            ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
+            QueueFull: the waiting queue is full (the server answers 429).
+        """
+        tok = self.model.tokenizer
+        texts = [RowText(tok, self.eos_token_ids, job.stop) for _ in job.prompts]
+        reqs = [
+            Request(list(ids), job.max_new_tokens, job.policy, job.sampling, tuple(self.eos_token_ids),
+                    texts[i].stopped if texts[i].stop else None, tag=i)
+            for i, ids in enumerate(job.prompts)
+        ]
+        sub = Submission(self.scheduler, reqs, texts, job)
+        sub.start()
+        return sub

@@ -1,0 +1,170 @@
+"""The in-flight scheduler: one engine thread steps an :class:`~skipdecode.engine.Engine` for
+every caller (the server's requests, ``generate``/``eval`` with many prompts).
+
+Callers :meth:`Scheduler.submit` a group of :class:`~skipdecode.engine.Request` with a ``sink``
+that receives each :class:`~skipdecode.engine.TokenEvent` (called on the engine thread; it must
+not block). The waiting queue is bounded (:class:`QueueFull` past ``max_waiting``); requests are
+checked (context length, ...) before they enter it; :meth:`Scheduler.cancel` drops a request at
+the next step and frees its slot. If a step fails, every request then running gets the exception
+through its sink and the engine starts afresh, so one fault never wedges the server.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+from .adapters import Adapter
+from .engine import Engine, Request, TokenEvent
+
+__all__ = ["QueueFull", "Scheduler", "run_requests"]
+
+Sink = Callable[["TokenEvent | BaseException"], None]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests (the server answers 429)."""
+
+
+class Scheduler:
+    """Runs an :class:`Engine` on a daemon thread.
+
+    Args:
+        adapter: the model's adapter.
+        max_batch_size: most rows decoding at once, >= 1 (1 serves one request at a time).
+        max_waiting: most requests (rows) waiting for a slot, >= 0.
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1 or ``max_waiting`` < 0.
+    """
+
+    def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256) -> None:
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        self.adapter = adapter
+        self.engine = Engine(adapter, max_batch_size)
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.cancelled = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._sinks: dict[int, Sink] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="skipdecode-engine", daemon=True)
+        self._thread.start()
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError (naming the field) if ``request`` cannot run (see :meth:`Engine.check`)."""
+        self.engine.check(request)
+
+    def submit(self, requests: Sequence[Request], sink: Sink) -> None:
+        """Queue ``requests`` (all or none); ``sink`` gets each of their events, or an exception
+        if the engine fails while they run.
+
+        Raises:
+            ValueError: a request cannot run (:meth:`check`); nothing is queued.
+            QueueFull: the waiting queue cannot take them all.
+            RuntimeError: the scheduler is closed.
+        """
+        for r in requests:
+            self.check(r)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            waiting = len(self._inbox) + len(self.engine.waiting)
+            if waiting + len(requests) > self.max_waiting + len(self.engine.free_slots):
+                raise QueueFull(
+                    f"the server is busy: {waiting} requests wait for one of {self.max_batch_size} slots "
+                    f"(max_waiting {self.max_waiting}); retry later"
+                )
+            for r in requests:
+                self._sinks[id(r)] = sink
+            self._inbox.extend(requests)
+            self._wake.notify()
+
+    def cancel(self, requests: Sequence[Request]) -> None:
+        """Drop ``requests`` (waiting or running) at the next step; their sinks get nothing more."""
+        with self._lock:
+            for r in requests:
+                if self._sinks.pop(id(r), None) is not None:
+                    self._cancels.append(r)
+                    self.cancelled += 1
+            self._wake.notify()
+
+    def stats(self) -> dict[str, int]:
+        """``running``, ``waiting`` (rows), ``steps`` and ``generated_tokens`` so far, ``cancelled`` requests."""
+        with self._lock:
+            return {
+                "running": len(self.engine.running),
+                "waiting": len(self._inbox) + len(self.engine.waiting),
+                "steps": self.engine.steps,
+                "generated_tokens": self.engine.generated_tokens,
+                "cancelled": self.cancelled,
+                "max_batch_size": self.max_batch_size,
+                "max_waiting": self.max_waiting,
+            }
+
+    def close(self) -> None:
+        """Stop the engine thread after its current step (requests still queued are dropped)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _take_work(self) -> bool:
+        """Move submissions and cancellations into the engine; wait while idle. False: closed."""
+        with self._lock:
+            while not self._closed and not (self._inbox or self._cancels or self.engine.busy):
+                self._wake.wait()
+            if self._closed:
+                return False
+            for r in self._inbox:
+                self.engine.submit(r)
+            self._inbox.clear()
+            for r in self._cancels:
+                self.engine.cancel(r)
+            self._cancels.clear()
+            return True
+
+    def _loop(self) -> None:
+        while self._take_work():
+            try:
+                events = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - delivered to every affected caller
+                self._fail(exc)
+                continue
+            with self._lock:
+                sinks = [(self._sinks.get(id(ev.row.request)), ev) for ev in events]
+                for ev in events:
+                    if ev.finished:
+                        self._sinks.pop(id(ev.row.request), None)
+            for sink, ev in sinks:
+                if sink is not None:
+                    sink(ev)
+
+    def _fail(self, exc: Exception) -> None:
+        """Give ``exc`` to every request the engine held (running, joining or waiting; not those
+        still in the inbox) and start a fresh engine."""
+        with self._lock:
+            queued = {id(r) for r in self._inbox}
+            sinks = [self._sinks.pop(k) for k in list(self._sinks) if k not in queued]
+            self.engine = Engine(self.adapter, self.max_batch_size)
+        for sink in sinks:
+            if sink is not None:
+                sink(exc)
+
+
+def run_requests(
+    adapter: Adapter, requests: Sequence[Request], max_batch_size: int = 32,
+    on_event: Callable[[TokenEvent], None] | None = None,
+):
+    """Run ``requests`` to completion with in-flight batching on the calling thread (no server):
+    a finished row's slot goes to the next request at once. Returns their
+    :class:`~skipdecode.engine.Row` in request order.
+
+    Raises:
+        ValueError: a request cannot run, or ``max_batch_size`` < 1.
+    """
+    return Engine(adapter, max_batch_size).run(requests, on_event)

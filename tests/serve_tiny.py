@@ -1,0 +1,57 @@
+"""Serve the tiny random llama of conftest on loopback (for tests/test_server_loopback.py).
+
+    python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--step-delay S]
+
+``--step-delay S`` sleeps S seconds in every forward pass of the engine, so that the tiny model
+decodes at the pace of a real one and a test can observe what happens *during* a long generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+from conftest import make_model, make_tokenizer  # noqa: E402
+import importlib  # noqa: E402
+
+from skipdecode.model import SkipModel  # noqa: E402
+from skipdecode.server import create_app  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("--serial", action="store_true")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--max-waiting", type=int, default=256)
+    parser.add_argument("--step-delay", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.step_delay:
+        for name in ("skipdecode.engine", "skipdecode.generate"):  # whichever drives the model
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+
+            def slow(*a, _real=module.skip_forward, **kw):
+                time.sleep(args.step_delay)
+                return _real(*a, **kw)
+
+            module.skip_forward = slow
+    kwargs = {}
+    if args.serial or args.max_batch_size != 32 or args.max_waiting != 256:
+        kwargs = dict(serial=args.serial, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
+    app = create_app(SkipModel(make_model("llama"), make_tokenizer()), "tiny", **kwargs)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""The server as a real process on loopback (uvicorn in a subprocess), every test bounded in time.
+
+Issue 10's faults, each of which this file reproduced on the one-at-a-time server (a lock around
+the engine): a stream plus 40 concurrent requests wedged the server for good; a client closing a
+stream kept the lock forever; abandoned requests were still computed; a 10 MB prompt was tokenized
+before its error. And the in-flight guarantees: 32 concurrent requests with mixed speedups each get
+their solo greedy answer exactly once; a disconnect frees the slot; a full queue answers 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import make_model, make_tokenizer
+from skipdecode.model import SkipModel
+
+HERE = Path(__file__).resolve().parent
+STEP_DELAY = 0.02  # seconds per engine step: the tiny model paced like a real one
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str):
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen([sys.executable, str(HERE / "serve_tiny.py"), str(port), *args], env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the test server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError("the test server did not start within 120 s")
+
+
+def stop_server(proc) -> None:
+    """SIGTERM, then SIGKILL (the old server ignored SIGTERM once wedged)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--step-delay", str(STEP_DELAY))
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def serial_server():
+    """One row at a time (the comparison design), a waiting queue of one."""
+    proc, url = start_server("--serial", "--max-waiting", "1", "--step-delay", str(STEP_DELAY))
+    yield url
+    stop_server(proc)
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()
+
+
+def wait_until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def run(coro, timeout: float):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_stream_plus_40_concurrent_requests_all_complete(server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            body = {"prompt": "The Eagle", "max_tokens": 150, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.aiter_lines()
+                first = await anext(lines)
+                assert first.startswith("data: ")
+                posts = [c.post("/v1/completions", json={"prompt": f"Describe {i}", "max_tokens": 4})
+                         for i in range(40)]
+                answers = await asyncio.gather(*posts)
+                rest = [ln async for ln in lines]
+            return answers, rest
+
+    answers, rest = run(scenario(), 60)
+    assert [a.status_code for a in answers] == [200] * 40
+    assert "data: [DONE]" in rest
+    assert health(server)["status"] == "ok"
+
+
+def test_client_closing_a_stream_after_3_events_frees_the_engine(server):
+    before = health(server).get("scheduler", {})
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server, timeout=30) as c:
+            body = {"prompt": "The Eagle", "max_tokens": 200, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    got += line.startswith("data: ")
+                    if got == 3:
+                        break  # closes the connection
+        async with httpx.AsyncClient(base_url=server, timeout=10) as c:
+            return await c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2})
+
+    assert run(scenario(), 30).status_code == 200  # the next request is served (it used to hang)
+    assert wait_until(lambda: health(server)["scheduler"]["running"] == 0, 5)
+    after = health(server)["scheduler"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 100  # not the 200 asked for
+
+
+def test_abandoned_requests_stop_consuming_steps(server):
+    before = health(server).get("scheduler", {})
+
+    async def abandon():
+        async with httpx.AsyncClient(base_url=server, timeout=0.5) as c:
+            async def give_up(i):
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post("/v1/completions", json={"prompt": f"The Eagle {i}", "max_tokens": 200})
+            await asyncio.gather(*(give_up(i) for i in range(6)))
+
+    run(abandon(), 20)
+    time.sleep(1)  # time to notice the six disconnects
+    t0 = time.monotonic()
+    assert httpx.post(server + "/v1/completions", json={"prompt": "The", "max_tokens": 1}, timeout=30).status_code == 200
+    assert time.monotonic() - t0 < 3  # not queued behind 6 x 200 abandoned steps
+    assert wait_until(lambda: health(server)["scheduler"]["running"] == 0, 5)
+    after = health(server)["scheduler"]
+    assert after["cancelled"] - before["cancelled"] == 6
+    assert after["generated_tokens"] - before["generated_tokens"] < 6 * 100
+
+
+def test_huge_prompt_is_refused_before_it_is_read(server):
+    t0 = time.monotonic()
+    resp = httpx.post(server + "/v1/completions", json={"prompt": "x " * 5_000_000, "max_tokens": 1}, timeout=30)
+    assert resp.status_code == 413, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "max_request_bytes" in err["message"]
+    assert time.monotonic() - t0 < 10
+
+
+def test_32_concurrent_requests_with_mixed_speedups_get_their_solo_answers(server):
+    sk = SkipModel(make_model("llama"), make_tokenizer())  # the server's model, built the same way
+    speedups = [1.0, 1.5, 2.0, 3.0]
+    prompts = [f"The Eagle {i} is a" for i in range(32)]
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            posts = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 10, "speedup": speedups[i % 4]})
+                     for i, p in enumerate(prompts)]
+            return await asyncio.gather(*posts)
+
+    answers = run(scenario(), 90)
+    assert [a.status_code for a in answers] == [200] * 32
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        body = a.json()
+        want = sk.generate([p], max_new_tokens=10, policy=sk.policy_for(speedup=speedups[i % 4]))
+        assert [c["text"] for c in body["choices"]] == want.texts
+        stats = body["usage"]["skipdecode"]
+        assert stats["theoretical_speedup"] == pytest.approx(want.theoretical_speedup)
+        assert body["usage"]["completion_tokens"] == want.new_tokens[0]
+    assert len({a.json()["id"] for a in answers}) == 32
+
+
+def test_disconnect_mid_stream_frees_the_only_slot(serial_server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=serial_server, timeout=30) as c:
+            body = {"prompt": "The Eagle", "max_tokens": 200, "stream": True}  # 4 s of steps
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            t0 = time.monotonic()
+            resp = await c.post("/v1/completions", json={"prompt": "The", "max_tokens": 2})
+            return resp, time.monotonic() - t0
+
+    resp, seconds = run(scenario(), 30)
+    assert resp.status_code == 200
+    assert seconds < 2  # served at once, not after the abandoned stream's 200 steps
+
+
+def test_full_queue_answers_429_in_openai_shape(serial_server):
+    async def scenario():
+        async with httpx.AsyncClient(base_url=serial_server, timeout=30) as c:
+            body = {"prompt": "The Eagle", "max_tokens": 200, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.aiter_lines()  # kept open: the stream holds the only slot
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                waiting = asyncio.create_task(c.post("/v1/completions", json={"prompt": "A", "max_tokens": 200}))
+                assert await asyncio.to_thread(
+                    wait_until, lambda: health(serial_server)["scheduler"]["waiting"] == 1, 5)
+                refused = await c.post("/v1/completions", json={"prompt": "B", "max_tokens": 2})
+                waiting.cancel()
+                return refused
+
+    resp = run(scenario(), 30)
+    assert resp.status_code == 429, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "rate_limit_error"
+    assert "max_waiting" in err["message"] and resp.headers["retry-after"] == "1"
