@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
 
     if args.measure_throughput:
-        sk = skipdecode.load(args.model, device=device)
+        sk = skipdecode.load(args.model, device=device, adapter=False)
         try:
             examples = load_examples(data, task=args.task)
             full = [1.0] + [s for s in speedups if s != 1]
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             kl_weight=args.kl_weight, gradient_checkpointing=args.grad_checkpointing, device=args.device,
             bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress, **schedule,
         )
-        sk = skipdecode.load(args.model)
+        sk = skipdecode.load(args.model, adapter=False)  # train from the stock weights
         result = train(sk, data, config)
     except TrainConfigError as e:
         option = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "speedups": "--speedup",
