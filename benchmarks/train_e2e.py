@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import skipdecode
     from skipdecode.data import DataError, default_data_dir, load_examples
+    from skipdecode.paths import portable_record
     from skipdecode.train import TrainConfig, TrainConfigError, measure_throughput, train
 
     data = args.data
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                            "discarded by torch.where), so training tokens/s does not depend on the policy; "
                            "active_fraction is the share a sparse implementation would compute")
         out = RESULTS / "train_throughput.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.write_text(json.dumps(portable_record(result), indent=2) + "\n")
         print(json.dumps(result))
         return 0
 
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     record.update(model=args.model, tag=tag, command=command, machine=_machine(device))
     json_path = RESULTS / f"train_e2e_{tag}.json"
     png_path = RESULTS / f"train_e2e_{tag}.png"
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    json_path.write_text(json.dumps(portable_record(record), indent=2) + "\n")
     val = record["val_log"][-1]["loss"] if record["val_log"] else float("nan")
     plot(record, png_path, f"SmolLM2-135M on E2E, {tag} schedule: {result.steps} steps, "
                            f"{result.tokens_per_second:.0f} tok/s, final val {val:.3f}")

@@ -562,9 +562,11 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
         tmp = paths["json"].with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        from .paths import portable, portable_record  # results name no machine-specific paths
+
+        tmp.write_text(json.dumps(portable_record(self.to_dict()), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, paths["json"])
-        paths["md"].write_text(self.to_markdown(), encoding="utf-8")
+        paths["md"].write_text(portable(self.to_markdown()), encoding="utf-8")
         self.plot(paths["png"], frontier=frontier)
         return paths
 
