@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--speedups", default="2", help="comma-separated targets (mixed policy when several)")
     ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
-    ap.add_argument("--max-steps", type=int, default=130)
+    ap.add_argument("--max-steps", type=int, default=160)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--kl-weight", type=float, default=0.5)
@@ -57,9 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--checkpoint-every", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
+    ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
+                    "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
 
 
@@ -69,6 +71,26 @@ def _git_commit() -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _adapter_record(command: str, minutes: float, train_rows: list[dict], heldout_rows: list[dict], *,
+                    resumed: bool) -> dict:
+    """The ``adapter`` section of the adapter's skipdecode.json: command, minutes, machine, commit,
+    and the prompt set's sizes, sources and sha256s."""
+    import torch
+
+    m = adapter_prompts.manifest(train_rows, heldout_rows)["splits"]
+    return {
+        "command": command,
+        "minutes": round(minutes, 1),
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "git_commit": _git_commit(),
+        "prompt_set": {"builder": "benchmarks/adapter_prompts.py", "manifest": "benchmarks/adapter_prompts/manifest.json",
+                       "train_prompts": m["train"]["n"], "train_sha256": m["train"]["sha256"],
+                       "heldout_prompts": m["heldout"]["n"], "heldout_sha256": m["heldout"]["sha256"],
+                       "sources": m["train"]["by_source"]},
+        "resumed": resumed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.install:
         from skipdecode.skip_adapter import install_adapter
 
-        target = install_adapter(out / "final")
+        src = Path(args.install_from) if args.install_from else out / "final"
+        meta_path = src / "skipdecode.json"
+        meta = json.loads(meta_path.read_text())
+        if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
+            record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
+            train_rows, heldout_rows = adapter_prompts.build(Path(args.data) if args.data else Path(default_data_dir()))
+            meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
+                                              record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
+            meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
+            from skipdecode.model import write_json_atomic
+
+            write_json_atomic(meta_path, meta)
+        target = install_adapter(src)
         print(json.dumps({"installed": _rel(target),
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0
@@ -126,18 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.time() - start) / 60
     final = Path(result.final_dir)
     meta = json.loads((final / "skipdecode.json").read_text())
-    m = adapter_prompts.manifest(train_rows, heldout_rows)["splits"]
-    meta["adapter"] = {
-        "command": command.strip(),
-        "minutes": round(minutes, 1),
-        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "git_commit": _git_commit(),
-        "prompt_set": {"builder": "benchmarks/adapter_prompts.py", "manifest": "benchmarks/adapter_prompts/manifest.json",
-                       "train_prompts": len(prompts), "train_sha256": m["train"]["sha256"],
-                       "heldout_prompts": m["heldout"]["n"], "heldout_sha256": m["heldout"]["sha256"],
-                       "sources": m["train"]["by_source"]},
-        "resumed": args.resume,
-    }
+    meta["adapter"] = _adapter_record(command.strip(), minutes, train_rows, heldout_rows, resumed=args.resume)
     data = meta.get("data", {})
     if data.get("spec") == "<in-memory>":
         data["spec"] = "benchmarks/adapter_prompts.py (train split)"
