@@ -562,11 +562,9 @@ class Report:
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
         tmp = paths["json"].with_suffix(".json.tmp")
-        from .paths import portable, portable_record  # results name no machine-specific paths
-
-        tmp.write_text(json.dumps(portable_record(self.to_dict()), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, paths["json"])
-        paths["md"].write_text(portable(self.to_markdown()), encoding="utf-8")
+        paths["md"].write_text(self.to_markdown(), encoding="utf-8")
         self.plot(paths["png"], frontier=frontier)
         return paths
 
@@ -924,7 +922,9 @@ def evaluate(
         "seconds": time.perf_counter() - start_run,
     }
     item_dicts = [{"prompt": it.prompt, "references": list(it.references), "source": it.source} for it in items]
-    return Report(rows=rows, items=item_dicts, meta=meta)
+    from .paths import portable_record  # reports name no machine-specific paths
+
+    return Report(rows=rows, items=portable_record(item_dicts), meta=portable_record(meta))
 
 
 def _is_single_spec(x: Any) -> bool:
