@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
     ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--speedups", default="2,3", help="adapted-model speedups to measure")
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
