@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
                                               record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
             meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
+            if meta.get("data", {}).get("spec") == "<in-memory>":
+                meta["data"]["spec"] = "benchmarks/adapter_prompts.py (train split)"
             from skipdecode.model import write_json_atomic
 
             write_json_atomic(meta_path, meta)
