@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     def loader(target):
         def load_one():
             try:
-                return load(target, device=args.device, dtype=args.dtype)
+                return load(target, device=args.device, dtype=args.dtype, adapter=False)  # the stock rows
             except (LoadError, ValueError) as e:
                 _die(f"cannot load {target}: {e}")
         return load_one

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import skipdecode
     from skipdecode.data import DataError, default_data_dir, load_examples
+    from skipdecode.paths import portable_record
     from skipdecode.train import TrainConfig, TrainConfigError, measure_throughput, train
     from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
 
     if args.measure_throughput:
-        sk = skipdecode.load(args.model, device=device)
+        sk = skipdecode.load(args.model, device=device, adapter=False)
         try:
             examples = load_examples(data, task=args.task)
             full = [1.0] + [s for s in speedups if s != 1]
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                            "forward + backward only; active_fraction is the share of (position, layer) pairs run; "
                            "benchmarks/train_throughput.py is the full comparison")
         out = RESULTS / "train_throughput_quick.json"
-        out.write_text(dumps(result, indent=2) + "\n")
+        out.write_text(dumps(portable_record(result), indent=2) + "\n")
         print(dumps(result))
         return 0
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress,
             prompt_grad=args.prompt_grad, teacher_forcing=args.teacher_forcing, **schedule,
         )
-        sk = skipdecode.load(args.model)
+        sk = skipdecode.load(args.model, adapter=False)  # train from the stock weights
         result = train(sk, data, config)
     except TrainConfigError as e:
         option = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "speedups": "--speedup",
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     record.update(model=args.model, tag=tag, command=command, machine=_machine(device))
     json_path = RESULTS / f"train_e2e_{tag}.json"
     png_path = RESULTS / f"train_e2e_{tag}.png"
-    json_path.write_text(dumps(record, indent=2) + "\n")
+    json_path.write_text(dumps(portable_record(record), indent=2) + "\n")
     val = record["val_log"][-1]["loss"] if record["val_log"] else float("nan")
     plot(record, png_path, f"SmolLM2-135M on E2E, {tag} schedule: {result.steps} steps, "
                            f"{result.tokens_per_second:.0f} tok/s, final val {val:.3f}")

@@ -27,7 +27,7 @@ def test_default_model_full_depth_matches_hf_generate():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy shared CPU: one thread is faster for a 135M model
     try:
-        sk = skipdecode.load()
+        sk = skipdecode.load(adapter=False)  # the stock weights (the shipped skip adapter is tested in test_skip_adapter.py)
         assert sk.model.config.model_type == "llama" and sk.num_layers == 30
         assert isinstance(sk.policy, skipdecode.FullPolicy) and sk.chat
         ids, mask = encode_prompts(sk.tokenizer, [PROMPT], chat=True)
@@ -66,7 +66,7 @@ def test_default_model_is_plain_float_and_round_trips_through_save(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sk = skipdecode.load()
+        sk = skipdecode.load(adapter=False)  # the stock weights (the shipped skip adapter is tested in test_skip_adapter.py)
         assert getattr(sk.model, "hf_quantizer", None) is None
         assert not getattr(sk.model, "is_quantized", False)
         assert {p.dtype for p in sk.model.parameters()} == {torch.float32}

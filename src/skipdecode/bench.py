@@ -883,10 +883,11 @@ def profile_table(profile: dict[str, Any]):
 def write_results(result: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``result`` as JSON to ``path`` (atomically; parent folders are created)."""
     from .model import write_json_atomic
+    from .paths import portable_record
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, result)
+    write_json_atomic(path, portable_record(result))  # paths relative to the repository / data folder
     path.chmod(0o644)
     return path
 

@@ -49,8 +49,9 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
         fail(str(e))
 
 
-def load_model(model_name, device="cpu", dtype="float32", chat=None):
-    """Load ``model_name`` (None: embedded default), turning load errors into clean exits."""
+def load_model(model_name, device="cpu", dtype="float32", chat=None, adapter=True):
+    """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
+    ``adapter``: :func:`skipdecode.load`'s (True: the shipped skip adapter, if any; False: none)."""
     import torch
 
     from .adapters import UnsupportedArchitectureError
@@ -70,7 +71,7 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None):
     hf_logging.disable_progress_bar()
     try:
         with err.status(f"loading {model_name or 'the embedded default model'} ..."):
-            return load(model_name, device=device, dtype=dtype, chat=chat)
+            return load(model_name, device=device, dtype=dtype, chat=chat, adapter=adapter)
     except (LoadError, UnsupportedArchitectureError) as e:
         fail(str(e))
 
@@ -103,6 +104,8 @@ def command_line(ctx: typer.Context) -> str:
 
 
 MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
+NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the embedded SmolLM2-135M-Instruct "
+                   "has a 2x one, merged by default): run the stock weights.")
 
 
 @app.command()
@@ -126,6 +129,7 @@ def generate(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
     all_prompts = list(prompts or [])
@@ -146,7 +150,7 @@ def generate(
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if max_batch_size < 1:
         fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    sk = load_model(model, device, dtype, chat)
+    sk = load_model(model, device, dtype, chat, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
 
@@ -209,11 +213,16 @@ def generate(
 
 
 @app.command()
-def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP)) -> None:
-    """Print the model's architecture, layer count and stored skip settings."""
-    sk = load_model(model)
+def info(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+) -> None:
+    """Print the model's architecture, layer count, skip adapter (if merged) and stored skip settings."""
+    sk = load_model(model, adapter=not no_adapter)
+    skip_config = {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}
     print(dumps({"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
-                      "policy": sk.policy.to_dict(), "chat": sk.chat, "skip_config": sk.skip_config}, indent=2))
+                 "policy": sk.policy.to_dict(), "chat": sk.chat,
+                 "skip_adapter": sk.skip_config.get("skip_adapter"), "skip_config": skip_config}, indent=2))
 
 
 # --- further subcommands (bench, train, eval, serve) are added below ---------------------------
@@ -222,7 +231,7 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_H
 @app.command("eval")
 def eval_command(
     ctx: typer.Context,
-    models: List[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " Repeatable; 'stock' = the embedded default."),
+    models: List[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " Repeatable; 'stock' = the embedded default without its skip adapter, 'default' = with it."),
     data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
     speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
@@ -245,6 +254,7 @@ def eval_command(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .data import DataError, default_data_dir, load_eval_items, select_items
@@ -278,8 +288,10 @@ def eval_command(
     eval_task = task or detect_task(data)
 
     def loader(spec):
-        target = DEFAULT_MODEL if spec in ("stock", "default") and not Path(spec).exists() else spec
-        return lambda: load_model(target, device, dtype, chat)
+        named = spec in ("stock", "default") and not Path(spec).exists()
+        target = DEFAULT_MODEL if named else spec
+        use_adapter = not no_adapter and not (named and spec == "stock")  # 'stock' = the stock weights
+        return lambda: load_model(target, device, dtype, chat, adapter=use_adapter)
 
     entries = {}
     for spec in models or ["stock"]:
@@ -379,7 +391,7 @@ def train(
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")
-    sk = load_model(model, "cpu", "float32", chat)
+    sk = load_model(model, "cpu", "float32", chat, adapter=False)  # train from the stock weights
     try:
         result = run_train(sk, data, config)
     except TrainConfigError as e:
@@ -422,6 +434,7 @@ def bench(
     profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
     bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " Speed is the same either way (the adapter is merged)."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     import os
@@ -458,7 +471,7 @@ def bench(
     import torch
 
     torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
-    sk = load_model(model, device, dtype)
+    sk = load_model(model, device, dtype, adapter=not no_adapter)
 
     def progress(msg: str) -> None:
         err.print(f"[dim]{escape(msg)}[/]", highlight=False)
@@ -534,6 +547,7 @@ def serve(
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most rows decoding at once (in-flight batching)."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
     if not 0 < port < 65536:
@@ -543,7 +557,7 @@ def serve(
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
-    sk = load_model(model, device, dtype)
+    sk = load_model(model, device, dtype, adapter=not no_adapter)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     import uvicorn
 

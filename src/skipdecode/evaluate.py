@@ -931,7 +931,9 @@ def evaluate(
         "seconds": time.perf_counter() - start_run,
     }
     item_dicts = [{"prompt": it.prompt, "references": list(it.references), "source": it.source} for it in items]
-    return Report(rows=rows, items=item_dicts, meta=meta)
+    from .paths import portable_record  # reports name no machine-specific paths
+
+    return Report(rows=rows, items=portable_record(item_dicts), meta=portable_record(meta))
 
 
 def _is_single_spec(x: Any) -> bool:

@@ -108,6 +108,7 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     chat: bool | None = None,
+    adapter: bool | str | os.PathLike = True,
 ) -> SkipModel:
     """Load a model for SkipDecode.
 
@@ -121,15 +122,23 @@ def load(
         device: torch device.
         dtype: "float32" (default; bf16 is slow on CPUs without AVX-512), "bfloat16", "float16".
         chat: use the chat template (None: when the tokenizer has one).
+        adapter: skip adapter to merge (:mod:`skipdecode.skip_adapter`). True (default): the
+            adapter the package ships for this model, if any (today: the embedded default's 2x
+            adapter); its ``skipdecode.json`` then gives the default policy and chat setting, so
+            full depth runs the adapted weights. False: none (the stock weights). A folder path:
+            that LoRA adapter, merged into whatever ``model`` is.
 
     Returns:
         :class:`SkipModel`.
 
     Raises:
         LoadError: the model cannot be found or read (message says what was tried), a weights
-            file is corrupt (names the file), or skipdecode.json's policy does not fit the model.
+            file is corrupt (names the file), skipdecode.json's policy does not fit the model, or the
+            ``adapter`` folder cannot be read or does not fit the model.
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
+    if not isinstance(adapter, (bool, str, os.PathLike)):
+        raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
     torch_dtype = _resolve_dtype(dtype)
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
@@ -177,6 +186,8 @@ def load(
                     f"provide it ({str(err).splitlines()[0]}); offline, set HF_HUB_OFFLINE=1 to fail fast"
                 ) from None
         source = str(model)
+    name = DEFAULT_MODEL if model is None else str(model)
+    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source)
     hf_model = hf_model.to(device).eval()
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
@@ -219,6 +230,32 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, 
 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
-    base = load(base_name, dtype=dtype)
+    base = load(base_name, dtype=dtype, adapter=False)
     merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
     return merged, base.tokenizer
+
+
+def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: str,
+                        skip_config: dict[str, Any], source: str) -> tuple[Any, dict[str, Any], str]:
+    """Merge the requested skip adapter (see :func:`load`'s ``adapter``); the adapter's
+    ``skipdecode.json`` replaces the model's, plus a ``skip_adapter`` summary for reports."""
+    from . import skip_adapter as sa
+
+    if adapter is False:
+        return hf_model, skip_config, source
+    if adapter is True:
+        path = sa.shipped_adapter_for(name)
+        if path is None:
+            return hf_model, skip_config, source
+    else:
+        path = Path(adapter).expanduser()
+        if not path.is_dir():
+            raise LoadError(f"adapter {adapter} is not a folder (expected a LoRA adapter folder)")
+    try:
+        meta = sa.read_adapter_config(path)
+        hf_model = sa.merge_adapter(hf_model, path)
+        summary = sa.adapter_summary(path, shipped=adapter is True)
+    except sa.AdapterError as e:
+        raise LoadError(str(e)) from None
+    merged = {**skip_config, **{k: v for k, v in meta.items() if k != "losses"}, "skip_adapter": summary}
+    return hf_model, merged, f"{source} + skip adapter {summary['path']}"

@@ -1,0 +1,198 @@
+"""Agreement of skipped decoding with the stock full-depth model on the held-out prompts (issue 12).
+
+For the embedded SmolLM2-135M-Instruct, greedy, chat template, on the held-out split of
+``benchmarks/adapter_prompts.py`` (never trained on): the stock model at full depth writes the
+reference answers; then each configuration answers the same prompts and is scored against them:
+
+* ``exact``: share of answers identical to the reference (token for token), in %;
+* ``rougeL``: ROUGE-L F-measure against the reference answer (rouge-score, stemmed, 0-100,
+  :func:`skipdecode.metrics.rouge`);
+* mean active layers per decode step and the realised theoretical speedup
+  (L x decode steps / layers run, over all batches).
+
+Rows: stock at 2x, adapted at 2x, adapted at 3x, adapted at full depth (and stock at full depth,
+the reference itself). 2x and 3x are :func:`skipdecode.policy.for_speedup` with the adapter's
+horizon (2x = the adapter's trained schedule, 21 -> 9 layers over 32 tokens).
+
+    python benchmarks/adapter_agreement.py                          # the shipped adapter
+    python benchmarks/adapter_agreement.py --adapter runs/skip-adapter/final
+
+Writes ``benchmarks/results/adapter_agreement.{json,md}`` (``--name`` changes the stem), prints
+the Markdown table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import adapter_prompts  # noqa: E402  (benchmarks/adapter_prompts.py)
+
+
+def rel(path: str | Path) -> str:
+    """``path`` relative to the repository when it lies inside it, else as given."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(path)
+
+
+def run(sk, prompts: list[str], policy, *, max_new_tokens: int, batch_size: int) -> dict:
+    """Greedy answers for ``prompts`` (in order) under ``policy``, batched by prompt length.
+
+    Returns ``{"texts", "token_ids", "mean_active_layers", "theoretical_speedup", "seconds"}``;
+    the speedup is L x decode steps / layers run, summed over batches."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    texts: list[str | None] = [None] * len(prompts)
+    ids: list[list[int] | None] = [None] * len(prompts)
+    steps = layers = 0.0
+    t0 = time.perf_counter()
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        res = sk.generate([prompts[i] for i in chunk], policy=policy, max_new_tokens=max_new_tokens, chat=True)
+        s = res.stats()
+        steps += s["decode_steps"]
+        layers += s["mean_active_layers"] * s["decode_steps"]
+        for i, text, tok in zip(chunk, res.texts, res.token_ids):
+            texts[i], ids[i] = text, list(tok)
+    return {"texts": texts, "token_ids": ids, "mean_active_layers": layers / steps if steps else 0.0,
+            "theoretical_speedup": sk.num_layers * steps / layers if layers else 1.0,
+            "seconds": time.perf_counter() - t0}
+
+
+def score(out: dict, ref: dict) -> dict:
+    """Exact-match share (%) and ROUGE-L (0-100) of ``out`` against ``ref``."""
+    from skipdecode.metrics import rouge
+
+    exact = sum(a == b for a, b in zip(out["token_ids"], ref["token_ids"])) / len(ref["token_ids"])
+    return {"exact": 100 * exact, "rougeL": rouge(out["texts"], [[t] for t in ref["texts"]])["rougeL"]}
+
+
+def _sha256_dir(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.suffix in (".safetensors", ".json"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def to_markdown(report: dict, n_examples: int = 4) -> str:
+    """The table and a few side-by-side examples."""
+    lines = [f"Held-out prompts: {report['n_prompts']} (never trained on), greedy, chat template, "
+             f"at most {report['max_new_tokens']} new tokens; reference = the stock model at full depth.", "",
+             "| model | policy | identical answers | ROUGE-L vs full depth | mean active layers | theoretical speedup |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['model']} | {r['policy_label']} | {r['exact']:.1f} % | {r['rougeL']:.1f} | "
+                     f"{r['mean_active_layers']:.2f}/{report['num_layers']} | {r['theoretical_speedup']:.2f}x |")
+    lines += ["", "Examples (held-out prompts):", ""]
+    by = {(r["model"], r["policy_label"]): r for r in report["rows"]}
+    show = [("stock", "full"), ("stock", "2x"), ("adapted", "2x"), ("adapted", "3x")]
+    head = "| prompt | " + " | ".join(f"{m} {p}" for m, p in show) + " |"
+    lines += [head, "|" + "---|" * (len(show) + 1)]
+
+    def cell(t: str) -> str:
+        return t.replace("|", "\\|").replace("\n", " ").strip()
+
+    for i in report["example_indices"][:n_examples]:
+        row = [cell(report["prompts"][i]["prompt"][:120])]
+        row += [cell(by[k]["texts"][i]) if k in by else "" for k in show]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
+    ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
+    ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
+    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--speedups", default="2,3", help="adapted-model speedups to measure")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--name", default="adapter_agreement")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import skipdecode
+    from skipdecode.data import default_data_dir
+    from skipdecode.policy import FullPolicy, for_speedup
+    from skipdecode.skip_adapter import shipped_adapter_for
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data_dir = Path(args.data) if args.data else Path(default_data_dir())
+    train_rows, held_rows = adapter_prompts.build(data_dir)
+    problems = adapter_prompts.check_manifest(train_rows, held_rows)
+    if problems:
+        print("prompt set differs from the manifest:", *problems, sep="\n  ", file=sys.stderr)
+        return 1
+    if args.limit:
+        held_rows = held_rows[: args.limit]
+    prompts = [r["prompt"] for r in held_rows]
+    adapter_path = Path(args.adapter) if args.adapter else shipped_adapter_for(skipdecode.DEFAULT_MODEL)
+    if adapter_path is None:
+        print("no shipped adapter found; pass --adapter DIR", file=sys.stderr)
+        return 1
+
+    stock = skipdecode.load(adapter=False)
+    adapted = skipdecode.load(adapter=str(adapter_path))
+    horizon = adapted.horizon
+    L = stock.num_layers
+    kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
+    configs = [("stock", "full", stock, FullPolicy(L)), ("stock", "2x", stock, for_speedup(L, 2, horizon))]
+    for s in (float(x) for x in args.speedups.split(",")):
+        configs.append(("adapted", f"{s:g}x", adapted, for_speedup(L, s, horizon)))
+    configs.append(("adapted", "full", adapted, FullPolicy(L)))
+
+    rows, ref = [], None
+    for model_name, label, sk, policy in configs:
+        out = run(sk, prompts, policy, **kw)
+        if ref is None:
+            ref = out
+        row = {"model": model_name, "policy_label": label, "policy": policy.to_dict(), **score(out, ref),
+               **{k: out[k] for k in ("mean_active_layers", "theoretical_speedup", "seconds", "texts")}}
+        rows.append(row)
+        print(f"{model_name} {label}: identical {row['exact']:.1f} %, ROUGE-L {row['rougeL']:.1f}, "
+              f"speedup {row['theoretical_speedup']:.2f}x ({row['seconds']:.0f} s)", flush=True)
+
+    # examples: one per source kind, in held-out order
+    seen, examples = set(), []
+    for i, r in enumerate(held_rows):
+        if r["source"] not in seen:
+            seen.add(r["source"])
+            examples.append(i)
+    m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]
+    shipped = args.adapter is None
+    report = {
+        "name": args.name, "command": "python benchmarks/adapter_agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": skipdecode.DEFAULT_MODEL, "num_layers": L, "horizon": horizon,
+        "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)" if shipped else rel(adapter_path),
+        "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(prompts),
+        "heldout_sha256": m["sha256"], "prompt_builder": "benchmarks/adapter_prompts.py",
+        "data_dir": "../shared/data" if args.data is None else rel(args.data),
+        "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "greedy": True, "chat": True,
+        "versions": {"torch": torch.__version__, "skipdecode": getattr(skipdecode, "__version__", None)},
+        "prompts": held_rows, "example_indices": examples, "rows": rows,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    md = to_markdown(report)
+    (out_dir / f"{args.name}.md").write_text(md)
+    print(md)
+    print(json.dumps({r["model"] + " " + r["policy_label"]: {"exact": round(r["exact"], 1), "rougeL": round(r["rougeL"], 1),
+                      "speedup": round(r["theoretical_speedup"], 2)} for r in rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

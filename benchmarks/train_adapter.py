@@ -1,0 +1,178 @@
+"""Retrain the skip adapter shipped with the embedded SmolLM2-135M-Instruct (issue 12).
+
+Self-distillation under the 2x schedule: the full-depth model answers the training prompts of
+``benchmarks/adapter_prompts.py`` (greedy, chat template), and a LoRA adapter learns those answers
+(cross-entropy) plus ``kl_weight`` x KL to the full-depth logits, with the skip schedule in place.
+Everything goes through the public trainer API (:class:`skipdecode.train.TrainConfig`,
+:func:`skipdecode.train.train`).
+
+    python benchmarks/train_adapter.py                      # the shipped run (see docs/training.md)
+    python benchmarks/train_adapter.py --resume             # continue a killed run from its checkpoint
+    python benchmarks/train_adapter.py --install            # copy runs/skip-adapter/final into the package
+
+The run directory (default ``runs/skip-adapter``) gets checkpoints, ``train_record.json`` and
+``final/``, whose ``skipdecode.json`` is completed with an ``adapter`` section: the prompt set's
+sha256s, the exact command, the minutes it took and the base model. ``--install`` writes the
+adapter as float16 safetensors into ``src/skipdecode/skip_adapters/smollm2-135m-instruct/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import adapter_prompts  # noqa: E402  (benchmarks/adapter_prompts.py)
+
+
+def _rel(path: Path) -> str:
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's settings (defaults: the shipped run)."""
+    ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.")
+    ap.add_argument("--out", default=str(REPO / "runs" / "skip-adapter"), help="run directory")
+    ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
+    ap.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--speedups", default="2", help="comma-separated targets (mixed policy when several)")
+    ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
+    ap.add_argument("--max-steps", type=int, default=120)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--kl-weight", type=float, default=0.5)
+    ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
+    ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
+    ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy shared CPU)")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
+    ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
+                    "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
+    return ap.parse_args(argv)
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _adapter_record(command: str, minutes: float, train_rows: list[dict], heldout_rows: list[dict], *,
+                    resumed: bool) -> dict:
+    """The ``adapter`` section of the adapter's skipdecode.json: command, minutes, machine, commit,
+    and the prompt set's sizes, sources and sha256s."""
+    import torch
+
+    m = adapter_prompts.manifest(train_rows, heldout_rows)["splits"]
+    return {
+        "command": command,
+        "minutes": round(minutes, 1),
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "git_commit": _git_commit(),
+        "prompt_set": {"builder": "benchmarks/adapter_prompts.py", "manifest": "benchmarks/adapter_prompts/manifest.json",
+                       "train_prompts": m["train"]["n"], "train_sha256": m["train"]["sha256"],
+                       "heldout_prompts": m["heldout"]["n"], "heldout_sha256": m["heldout"]["sha256"],
+                       "sources": m["train"]["by_source"]},
+        "resumed": resumed,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from skipdecode.data import default_data_dir
+    from skipdecode.train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if args.install:
+        from skipdecode.skip_adapter import install_adapter
+
+        src = Path(args.install_from) if args.install_from else out / "final"
+        meta_path = src / "skipdecode.json"
+        meta = json.loads(meta_path.read_text())
+        if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
+            record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
+            train_rows, heldout_rows = adapter_prompts.build(Path(args.data) if args.data else Path(default_data_dir()))
+            meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
+                                              record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
+            meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
+            if meta.get("data", {}).get("spec") == "<in-memory>":
+                meta["data"]["spec"] = "benchmarks/adapter_prompts.py (train split)"
+            from skipdecode.model import write_json_atomic
+
+            write_json_atomic(meta_path, meta)
+        target = install_adapter(src)
+        print(json.dumps({"installed": _rel(target),
+                          "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
+        return 0
+
+    data_dir = Path(args.data) if args.data else Path(default_data_dir())
+    train_rows, heldout_rows = adapter_prompts.build(data_dir)
+    problems = adapter_prompts.check_manifest(train_rows, heldout_rows)
+    if problems:
+        print("prompt set differs from benchmarks/adapter_prompts/manifest.json:", *problems, sep="\n  ", file=sys.stderr)
+        return 1
+    if args.limit_prompts:
+        train_rows = train_rows[: args.limit_prompts]
+    held = {r["prompt"] for r in heldout_rows}
+    prompts = [r["prompt"] for r in train_rows if r["prompt"] not in held]
+    speedups = tuple(float(s) for s in args.speedups.split(","))
+    config = TrainConfig(
+        out_dir=str(out), speedups=speedups if len(speedups) > 1 else None,
+        speedup=speedups[0] if len(speedups) == 1 else None, horizon=args.horizon,
+        max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
+        max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=0.05,
+        distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
+        distill_batch_size=16, lora_r=args.lora_r, base_model="smollm2-135m-instruct" if args.model is None else None,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
+        resume=args.resume, progress=False, seed=0,
+    )
+    command = "python benchmarks/train_adapter.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    start = time.time()
+    print(f"[{time.strftime('%H:%M:%S')}] {len(prompts)} training prompts, {config}", flush=True)
+
+    def report(info: dict) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] step {info['step']}/{info['total_steps']} loss {info['loss']:.4f} "
+              f"lr {info['lr']:.2e} speedup {info['speedup']} {info['checkpoint'] or ''} "
+              f"({(time.time() - start) / 60:.1f} min)", flush=True)
+
+    from skipdecode import load
+
+    base = load(args.model, adapter=False)  # the stock weights: never start from the shipped adapter
+    result = train(base, prompts, config, callback=report)
+    minutes = (time.time() - start) / 60
+    final = Path(result.final_dir)
+    meta = json.loads((final / "skipdecode.json").read_text())
+    meta["adapter"] = _adapter_record(command.strip(), minutes, train_rows, heldout_rows, resumed=args.resume)
+    data = meta.get("data", {})
+    if data.get("spec") == "<in-memory>":
+        data["spec"] = "benchmarks/adapter_prompts.py (train split)"
+    from skipdecode.model import write_json_atomic
+
+    write_json_atomic(final / "skipdecode.json", meta)
+    print(json.dumps({"final": _rel(final), "minutes": round(minutes, 1), "steps": result.steps,
+                      "val_log": result.val_log, "horizon": result.horizon}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

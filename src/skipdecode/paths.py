@@ -1,0 +1,56 @@
+"""Portable paths in results files: records name paths relative to the repository or the data
+folder, never the absolute paths of the machine they ran on (issue 12)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+__all__ = ["portable", "portable_record"]
+
+
+def _prefixes() -> list[tuple[str, str]]:
+    """(absolute prefix, replacement) pairs, longest first: the repository root (-> relative),
+    the data folder (-> ``../shared/data/`` when it sits beside the repository, else
+    ``$SKIPDECODE_DATA/``), and the Python ``site-packages`` folder (-> ``<site-packages>/``)."""
+    from .data import default_data_dir
+
+    here = Path(__file__).resolve().parents[2]
+    repo = here if (here / "pyproject.toml").exists() else Path.cwd().resolve()
+    pairs = [(str(repo) + os.sep, "")]
+    data = default_data_dir()
+    if data is not None:
+        data = Path(data).resolve()
+        beside = (repo.parent / "shared" / "data").resolve()
+        pairs.append((str(data) + os.sep, "../shared/data/" if data == beside else "$SKIPDECODE_DATA/"))
+    for key in ("purelib", "platlib"):
+        site = sysconfig.get_paths().get(key)
+        if site:
+            pairs.append((str(Path(site).resolve()) + os.sep, "<site-packages>/"))
+    return sorted(set(pairs), key=lambda p: -len(p[0]))
+
+
+def portable(text: str) -> str:
+    """``text`` with every absolute path under the repository, the data folder or
+    ``site-packages`` rewritten relative to it (see :func:`_prefixes`); other text unchanged.
+
+    Example: ``"/home/me/skipdecode/runs/e2e-2x/final"`` -> ``"runs/e2e-2x/final"``.
+    """
+    for prefix, repl in _prefixes():
+        text = re.sub(re.escape(prefix), lambda _m, r=repl: r, text)
+    return text
+
+
+def portable_record(obj: Any) -> Any:
+    """A copy of a JSON-like record (dicts, lists, strings, numbers) with :func:`portable`
+    applied to every string (dict keys included)."""
+    if isinstance(obj, str):
+        return portable(obj)
+    if isinstance(obj, dict):
+        return {portable(k) if isinstance(k, str) else k: portable_record(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable_record(v) for v in obj]
+    return obj

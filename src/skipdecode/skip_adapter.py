@@ -1,0 +1,178 @@
+"""Skip adapters: LoRA adapters trained with a skip schedule in place, shipped with the package.
+
+A *skip adapter* is a LoRA adapter (peft format: ``adapter_config.json`` +
+``adapter_model.safetensors``) plus a ``skipdecode.json`` that records the schedule it was trained
+for (``policy``, ``horizon``), the chat setting, and an ``adapter`` section (the training command,
+its minutes, the prompt set's sha256s). It is not an *architecture* adapter
+(:mod:`skipdecode.adapters`, which tells the layer loop how to call a model family).
+
+The package ships one, for the embedded SmolLM2-135M-Instruct
+(``skipdecode/skip_adapters/smollm2-135m-instruct/``, trained by self-distillation under the 2x
+schedule with ``benchmarks/train_adapter.py``). :func:`skipdecode.load` merges it into the weights
+by default when it loads the embedded model (``adapter=False`` keeps the stock weights), and the
+adapter's policy becomes the model's default policy, as for any checkpoint written by
+``skipdecode train``. **At full depth** (``FullPolicy``, ``--speedup 1``) the model then runs the
+adapted weights, not the stock ones: full-depth answers differ slightly from the stock model's
+(measured in ``benchmarks/results/adapter_agreement.md``); load with ``adapter=False``
+(``--no-adapter``) for the stock model. Merging makes decoding cost nothing extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SHIPPED_DIR",
+    "AdapterError",
+    "shipped_adapter_for",
+    "read_adapter_config",
+    "merge_adapter",
+    "adapter_summary",
+    "install_adapter",
+]
+
+#: Folder of the skip adapters shipped as package data, one sub-folder per base model name.
+SHIPPED_DIR = Path(__file__).resolve().parent / "skip_adapters"
+
+_WEIGHTS = "adapter_model.safetensors"
+_CONFIG = "adapter_config.json"
+_SKIP = "skipdecode.json"
+# load() model names with a shipped adapter -> its folder under SHIPPED_DIR
+_SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct"}
+
+
+class AdapterError(ValueError):
+    """A skip adapter cannot be found, read or applied; the message names the path and the problem."""
+
+
+def shipped_adapter_for(model: str) -> Path | None:
+    """The shipped skip adapter's folder for ``model`` as given to :func:`skipdecode.load`
+    (``"smollm2-135m-instruct"``, the embedded default, is the only one today), or None when the
+    package ships none for it or its files are missing (an install without the package data)."""
+    if model not in _SHIPPED:
+        return None
+    folder = SHIPPED_DIR / _SHIPPED[model]
+    return folder if (folder / _WEIGHTS).is_file() and (folder / _CONFIG).is_file() else None
+
+
+def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``skipdecode.json`` of the adapter folder ``path`` ({} when it has none).
+
+    Raises:
+        AdapterError: ``path`` is not a folder holding ``adapter_config.json``, or its
+            ``skipdecode.json`` is not valid JSON.
+    """
+    path = Path(path)
+    if not (path / _CONFIG).is_file():
+        raise AdapterError(f"adapter {path}: no {_CONFIG} there (not a LoRA adapter folder)")
+    if not (path / _SKIP).is_file():
+        return {}
+    try:
+        return json.loads((path / _SKIP).read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"adapter {path / _SKIP}: not valid JSON ({e})") from None
+
+
+def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
+    """Merge the LoRA adapter in folder ``path`` into ``hf_model`` (peft ``merge_and_unload``).
+
+    Each adapted linear layer's weight ``W`` (out x in) becomes ``W + (alpha / r) * B @ A``
+    (Hu et al. 2021, LoRA, eq. 3), computed in the model's dtype; adapter weights stored as
+    float16 are cast up first. Decoding afterwards costs exactly what the plain model costs.
+
+    Returns:
+        The plain HF model with the adapter merged (same object type as ``hf_model``).
+
+    Raises:
+        AdapterError: the folder is not a LoRA adapter, or its shapes do not fit the model.
+    """
+    from peft import PeftModel
+
+    path = Path(path)
+    if not (path / _CONFIG).is_file() or not (path / _WEIGHTS).is_file():
+        raise AdapterError(f"adapter {path}: needs {_CONFIG} and {_WEIGHTS}")
+    try:
+        peft_model = PeftModel.from_pretrained(hf_model, str(path), autocast_adapter_dtype=True)
+    except (RuntimeError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AdapterError(f"adapter {path} does not fit this model: {first}") from None
+    return peft_model.merge_and_unload()
+
+
+def _size_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]:
+    """What ``skipdecode info`` reports about a merged skip adapter: its folder (relative to the
+    package for a shipped one), size in bytes, LoRA rank, trained policy, and the ``adapter``
+    record of its ``skipdecode.json`` (command, minutes, prompt-set hashes).
+
+    Raises:
+        AdapterError: as :func:`read_adapter_config`.
+    """
+    path = Path(path)
+    meta = read_adapter_config(path)
+    lora = json.loads((path / _CONFIG).read_text())
+    where = f"skipdecode/skip_adapters/{path.name} (package data)" if shipped else str(path)
+    return {
+        "path": where,
+        "shipped": shipped,
+        "bytes": _size_bytes(path),
+        "lora_r": lora.get("r"),
+        "lora_alpha": lora.get("lora_alpha"),
+        "policy": meta.get("policy"),
+        "speedups": meta.get("speedups"),
+        "training": meta.get("adapter", {}),
+    }
+
+
+def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
+                    target_root: str | os.PathLike | None = None) -> Path:
+    """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
+    data as a shipped skip adapter: ``adapter_config.json``, the weights as float16 safetensors
+    (half the bytes; they are cast back up when merged) and ``skipdecode.json`` (its training
+    losses and run-local paths dropped). Written to a temporary folder and renamed into place.
+
+    Returns:
+        The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
+
+    Raises:
+        AdapterError: ``run_final`` is not a LoRA adapter folder.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = Path(run_final)
+    if not (src / _WEIGHTS).is_file() or not (src / _CONFIG).is_file():
+        raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
+    root = Path(target_root) if target_root is not None else SHIPPED_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(str(src / _WEIGHTS)).items()}
+        save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+        lora = json.loads((src / _CONFIG).read_text())
+        lora["base_model_name_or_path"] = name
+        (tmp / _CONFIG).write_text(json.dumps(lora, indent=2, sort_keys=True) + "\n")
+        meta = read_adapter_config(src)
+        meta.pop("losses", None)
+        meta["base_model"] = name
+        if isinstance(meta.get("training"), dict):
+            meta["training"].get("config", {}).pop("out_dir", None)
+        (tmp / _SKIP).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
+        target = root / name
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

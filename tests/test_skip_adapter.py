@@ -1,0 +1,155 @@
+"""Skip adapters (``skipdecode.skip_adapter``, ``load(adapter=...)``, ``--no-adapter``, ``info``)
+on a tiny llama and a tiny LoRA adapter built here; one test on the shipped adapter of the real
+embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import make_model
+from skipdecode import FullPolicy, LinearDecayPolicy, LoadError, SkipModel, load
+from skipdecode import skip_adapter as sa
+from skipdecode.cli import app
+
+NUM_LAYERS = 6
+ADAPTER_POLICY = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=2, warmup_layers=1, horizon=4)
+PROMPT = "Describe the restaurant"
+
+
+def _lora_dir(path, *, zero: bool, r: int = 2):
+    """A peft LoRA adapter for the tiny llama of ``make_model("llama", 6)``: random B (``zero``
+    False) or peft's initial B = 0 (the adapter is then the identity)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    peft_model = get_peft_model(make_model("llama", NUM_LAYERS),
+                                LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", bias="none"))
+    if not zero:
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+    peft_model.save_pretrained(path)
+    meta = {"policy": ADAPTER_POLICY.to_dict(), "horizon": 4, "chat": True, "speedups": [2.0],
+            "adapter": {"command": "python benchmarks/train_adapter.py", "minutes": 1.0}}
+    (path / "skipdecode.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("base") / "tiny"
+    SkipModel(make_model("llama", NUM_LAYERS), tokenizer).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    return _lora_dir(tmp_path_factory.mktemp("adapter") / "lora", zero=False)
+
+
+@pytest.fixture(scope="module")
+def zero_adapter_dir(tmp_path_factory):
+    return _lora_dir(tmp_path_factory.mktemp("adapter") / "zero", zero=True)
+
+
+@pytest.fixture
+def shipped_for_tiny(monkeypatch, base_dir, adapter_dir):
+    """Pretend the package ships ``adapter_dir`` for the tiny model at ``base_dir``."""
+    monkeypatch.setattr(sa, "shipped_adapter_for", lambda name: adapter_dir if name == str(base_dir) else None)
+    return adapter_dir
+
+
+def _greedy(sk, policy, n=12):
+    return sk.generate([PROMPT, "name[The Eagle]"], policy=policy, max_new_tokens=n, chat=True)
+
+
+def test_adapter_path_is_merged_exactly(base_dir, adapter_dir):
+    plain = load(str(base_dir), adapter=False)
+    adapted = load(str(base_dir), adapter=str(adapter_dir))
+    # W' = W + (alpha / r) * B @ A (LoRA eq. 3), here alpha / r = 2
+    from safetensors.torch import load_file
+
+    w = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    want = plain.model.model.layers[0].self_attn.q_proj.weight + 2.0 * w[f"{key}.lora_B.weight"] @ w[f"{key}.lora_A.weight"]
+    torch.testing.assert_close(adapted.model.model.layers[0].self_attn.q_proj.weight, want, rtol=0, atol=1e-6)
+    # the adapter's schedule and chat setting become the defaults; the summary records it
+    assert adapted.policy == ADAPTER_POLICY and adapted.chat
+    assert adapted.skip_config["skip_adapter"]["lora_r"] == 2
+    assert adapted.skip_config["skip_adapter"]["training"]["minutes"] == 1.0
+    assert isinstance(plain.policy, FullPolicy) and "skip_adapter" not in plain.skip_config
+    # and the outputs change, at full depth and under the schedule
+    full = FullPolicy(NUM_LAYERS)
+    assert _greedy(adapted, full).token_ids != _greedy(plain, full).token_ids
+    assert _greedy(adapted, ADAPTER_POLICY).token_ids != _greedy(plain, ADAPTER_POLICY).token_ids
+
+
+def test_identity_adapter_leaves_outputs_equal(base_dir, zero_adapter_dir):
+    """peft's initial LoRA (B = 0) merged: the same tokens and logits as no adapter."""
+    plain = load(str(base_dir), adapter=False)
+    adapted = load(str(base_dir), adapter=str(zero_adapter_dir))
+    for policy in (FullPolicy(NUM_LAYERS), ADAPTER_POLICY):
+        a, b = _greedy(plain, policy), _greedy(adapted, policy)
+        assert a.token_ids == b.token_ids
+    for name, p in plain.model.state_dict().items():
+        assert torch.equal(p, adapted.model.state_dict()[name]), name
+
+
+def test_shipped_adapter_is_the_default_and_switched_off(base_dir, shipped_for_tiny, zero_adapter_dir):
+    adapted = load(str(base_dir))
+    assert adapted.policy == ADAPTER_POLICY and adapted.skip_config["skip_adapter"]["shipped"] is True
+    plain = load(str(base_dir), adapter=False)
+    assert isinstance(plain.policy, FullPolicy)
+    assert _greedy(adapted, ADAPTER_POLICY).token_ids != _greedy(plain, ADAPTER_POLICY).token_ids
+    # an explicit path wins over the shipped one
+    explicit = load(str(base_dir), adapter=str(zero_adapter_dir))
+    assert explicit.skip_config["skip_adapter"]["shipped"] is False
+
+
+def test_adapter_errors_name_the_path(base_dir, tmp_path):
+    with pytest.raises(LoadError, match="adapter .*missing.*not a folder"):
+        load(str(base_dir), adapter=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoadError, match="adapter_config.json"):
+        load(str(base_dir), adapter=str(tmp_path / "empty"))
+    with pytest.raises(LoadError, match="adapter must be True, False or a folder path"):
+        load(str(base_dir), adapter=3)
+
+
+def test_cli_info_generate_and_no_adapter(base_dir, shipped_for_tiny):
+    runner = CliRunner()
+    env = {"COLUMNS": "200"}
+    info = json.loads(runner.invoke(app, ["info", "--model", str(base_dir)], env=env).stdout)
+    assert info["skip_adapter"]["lora_r"] == 2 and info["skip_adapter"]["policy"] == ADAPTER_POLICY.to_dict()
+    assert info["policy"] == ADAPTER_POLICY.to_dict() and "skip_adapter" not in info["skip_config"]
+    off = json.loads(runner.invoke(app, ["info", "--model", str(base_dir), "--no-adapter"], env=env).stdout)
+    assert off["skip_adapter"] is None and off["policy"] == FullPolicy(NUM_LAYERS).to_dict()
+    # generate: the adapter's policy applies when no policy flag is given; --no-adapter is stock
+    on = runner.invoke(app, ["generate", PROMPT, "--model", str(base_dir), "-n", "8", "--json"], env=env)
+    stock = runner.invoke(app, ["generate", PROMPT, "--model", str(base_dir), "-n", "8", "--json",
+                                "--no-adapter", "--chat", "--max-layers", "4", "--min-layers", "2",
+                                "--horizon", "4"], env=env)
+    assert on.exit_code == 0 and stock.exit_code == 0, (on.output, stock.output)
+    on, stock = json.loads(on.stdout), json.loads(stock.stdout)
+    assert on["stats"]["policy"] == ADAPTER_POLICY.to_dict() == stock["stats"]["policy"]
+    assert on["texts"] != stock["texts"]
+
+
+def test_install_adapter_writes_float16_and_records(tmp_path, adapter_dir):
+    from safetensors.torch import load_file
+
+    target = sa.install_adapter(adapter_dir, name="tiny", target_root=tmp_path)
+    got = load_file(str(target / "adapter_model.safetensors"))
+    want = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and {t.dtype for t in got.values()} == {torch.float16}
+    for k in want:
+        torch.testing.assert_close(got[k].float(), want[k], rtol=1e-3, atol=1e-4)
+    meta = json.loads((target / "skipdecode.json").read_text())
+    assert meta["policy"] == ADAPTER_POLICY.to_dict() and meta["base_model"] == "tiny"
+    assert json.loads((target / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
