@@ -119,6 +119,15 @@ def test_cli_bad_teacher_exits_2_naming_the_option(tmp_path):
                                    "--teacher", str(tmp_path / "missing"), "--no-progress"])
     assert res.exit_code == 2
     assert "--teacher" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["train", "--model", str(model), "--data", str(data), "--speedup", "2",
+                                   "--out", str(tmp_path / "run2"), "--max-minutes", "0", "--no-progress"])
+    assert res.exit_code == 2 and "--max-minutes" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["train", "--model", str(model), "--data", str(data), "--speedup", "2",
+                                   "--max-steps", "4", "--batch-size", "2", "--out", str(tmp_path / "run3"),
+                                   "--max-minutes", "0.000001", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["stopped_on_budget"] is True and summary["total_steps"] == 4
 
 
 # ---------------------------------------------------------------------------------------------

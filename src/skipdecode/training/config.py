@@ -101,7 +101,8 @@ class TrainConfig:
         teacher: the KL teacher, a name or path :func:`skipdecode.load` takes (None: the model the
             run starts from, frozen; with LoRA the base with the adapter off). Loaded once,
             frozen, run at full depth under ``torch.no_grad()`` on the run's device and dtype; it
-            must have the student's tokenizer vocabulary. Needs ``kl_weight`` > 0.
+            must have the student's tokenizer vocabulary. Needs ``kl_weight`` > 0. It enters
+            only the KL term: ``distill`` answers still come from the starting model.
         distill_max_new_tokens: longest teacher answer (tokens). distill_batch_size: prompts per
             teacher generation batch.
 
