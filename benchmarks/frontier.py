@@ -117,11 +117,11 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> list[dict]:
-    """The models to train: ``[{"label", "speedups"}]``, 1x first (a recipe starting from the 1x
-    fine-tune needs it), the mixed-policy model last."""
+    """The models to train: ``[{"label", "speedups"}]``, 1x first (a recipe starting from, or
+    distilling from, the 1x fine-tune needs it), the mixed-policy model last."""
     single = _floats(args.speedups, "--speedups")
     mixed = _floats(args.mixed, "--mixed")
-    if RECIPES[args.recipe].init == "1x" and 1.0 not in single:
+    if RECIPES[args.recipe].needs_1x() and 1.0 not in single:
         single.insert(0, 1.0)
     models = [{"label": f"{s:g}x", "speedups": [s]} for s in sorted(single)]
     if len(mixed) == 1:
@@ -134,9 +134,12 @@ def plan(args: argparse.Namespace) -> list[dict]:
 
 
 def _train_config(args: argparse.Namespace, entry: dict, run_dir: Path, epochs: float):
+    """The TrainConfig of model ``entry`` in ``run_dir`` (beside the 1x model's folder)."""
     from skipdecode.train import TrainConfig
 
     overrides = dict(RECIPES[args.recipe].overrides)
+    if RECIPES[args.recipe].teacher == "1x" and entry["speedups"] != [1.0]:
+        overrides["teacher"] = str(run_dir.parent / "1x" / "final")  # KL to the equally trained 1x model
     if entry["speedups"] == [1.0]:  # the equally trained reference: the recipe without its skip-only parts
         overrides = {k: v for k, v in overrides.items() if k not in ("kl_weight", "warmup_layers")}
     sched = {"speedup": entry["speedups"][0]} if len(entry["speedups"]) == 1 else {"speedups": tuple(entry["speedups"])}
@@ -242,10 +245,12 @@ class Runner:
             if self.log["epochs"] <= 0:
                 return "skipped: no time to train", {}
             start = base
-            if entry["speedups"] != [1.0] and RECIPES[self.args.recipe].init == "1x":
-                start = str(self.runs / "1x" / "final")
-                if not Path(start).is_dir():
+            recipe = RECIPES[self.args.recipe]
+            if entry["speedups"] != [1.0] and recipe.needs_1x():
+                if not (self.runs / "1x" / "final").is_dir():
                     return "skipped: the 1x model is missing", {}
+                if recipe.init == "1x":
+                    start = str(self.runs / "1x" / "final")
             import shutil
 
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -5,11 +5,13 @@ E2E **dev** MRs (never the test set).
 The E2E dev pairs are split by MR (``--heldout-mrs`` MRs, seeded): every recipe trains on the
 other MRs' pairs; the held-out MRs' pairs give the validation loss (under the trained policy,
 logged by the trainer during the run) and their greedy generations the dev BLEU (sacrebleu, all
-references per MR). Each run gets ``--minutes`` of optimizer-step time: the trainer has no
-wall-clock stop that still completes the learning-rate schedule, so the script first times 3
-steps of the same settings on a fresh model (``study_common.seconds_per_step``) and runs
-``max_steps = minutes * 60 / (s/step)`` (capped by ``--max-steps``). Calibration, validation and
-BLEU generation are not part of the budget; the table records each run's real train minutes.
+references per MR). Each run gets ``--minutes`` of optimizer-step time through the trainer's
+``max_minutes`` budget: it stops after the first optimizer step past it and still validates and
+saves its model. The learning-rate schedule (cosine) is planned over ``--epochs`` of the training
+MRs (or ``--max-steps``), the same plan for every recipe, so a run stopped by the budget ends
+mid-schedule and faster recipes get further along it: recipes are compared at equal minutes.
+Validation and BLEU generation are not part of the budget; the table records each run's steps,
+planned steps and measured train minutes.
 
 Recipes (``--recipes a,b`` runs a subset; see ``--list``), all at ``--speedup`` (default 3):
 
@@ -19,10 +21,10 @@ Recipes (``--recipes a,b`` runs a subset; see ``--list``), all at ``--speedup`` 
   layer, full fine-tuning, prompt gradient on;
 * ``lr-5e-4``, ``warmup-2``, ``lora-16`` (LoRA r 16, lr 1e-3), ``no-prompt-grad``: one change each;
 * ``from-1x``: labels, starting from the ``1x`` fine-tune;
-* ``from-1x-kl``: from the ``1x`` fine-tune, labels + ``kl_weight`` 1 * KL to the full-depth
-  teacher. The trainer's teacher is a frozen copy of the model it starts from, so KL to the 1x
-  fine-tune is only possible when starting from it (KL to it from the base model needs a
-  ``teacher`` argument in the library).
+* ``from-1x-kl``: from the ``1x`` fine-tune, labels + ``kl_weight`` 1 * KL to it (the trainer's
+  default teacher: a frozen copy of the starting model, at full depth);
+* ``labels-kl-1x``: from the base model, labels + ``kl_weight`` 1 * KL to the ``1x`` fine-tune
+  (``TrainConfig.teacher``: loaded once, frozen, full depth).
 
 Writes ``<out>.json`` (table + curves; rewritten after every recipe, so an interrupted study
 resumes: a recipe already in it is skipped), ``<out>.md`` and ``<out>.png`` (validation loss
@@ -49,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_common import (  # noqa: E402
     dev_bleu,
     repo_relative,
-    seconds_per_step,
     split_by_mr,
     write_json_atomic,
 )
@@ -66,10 +67,15 @@ class Recipe:
     overrides: dict = field(default_factory=dict)
     init: str = "base"        # "base" or "1x" (the study's 1x fine-tune)
     full_depth: bool = False  # speedup 1 instead of --speedup
+    teacher: str | None = None  # None (KL teacher: the start, frozen) or "1x" (the study's 1x fine-tune)
+
+    def needs_1x(self) -> bool:
+        """Whether the recipe starts from, or distils from, the study's 1x fine-tune."""
+        return self.init == "1x" or self.teacher == "1x"
 
 
 RECIPES: dict[str, Recipe] = {
-    "1x": Recipe("full-depth fine-tune of the base model (teacher and start of from-1x*)", full_depth=True),
+    "1x": Recipe("full-depth fine-tune of the base model (start of from-1x*, teacher of *kl*)", full_depth=True),
     "labels": Recipe("reference: from base, gold labels, lr 2e-4, warm-up 1, full FT, prompt grad on"),
     "lr-5e-4": Recipe("labels with lr 5e-4", {"lr": 5e-4}),
     "warmup-2": Recipe("labels with warm-up 2 layers", {"warmup_layers": 2}),
@@ -78,8 +84,10 @@ RECIPES: dict[str, Recipe] = {
     "from-1x": Recipe("labels, starting from the 1x fine-tune", init="1x"),
     "from-1x-kl": Recipe("from the 1x fine-tune, labels + 1.0 * KL to it (full depth, frozen)",
                          {"kl_weight": 1.0}, init="1x"),
+    "labels-kl-1x": Recipe("from base, labels + 1.0 * KL to the 1x fine-tune (full depth, frozen teacher)",
+                           {"kl_weight": 1.0}, teacher="1x"),
 }
-SETTINGS = ("minutes", "speedup", "data", "heldout_mrs", "seed", "batch_size", "model", "max_steps")
+SETTINGS = ("minutes", "speedup", "data", "heldout_mrs", "seed", "batch_size", "model", "max_steps", "epochs")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -88,7 +96,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list of recipes to run")
     p.add_argument("--list", action="store_true", help="print the recipes and exit")
     p.add_argument("--minutes", type=float, default=20.0, help="optimizer-step time per run (minutes)")
-    p.add_argument("--max-steps", type=int, default=None, help="cap on the steps of a run")
+    p.add_argument("--epochs", type=float, default=1.0,
+                   help="length of the planned LR schedule (passes over the training MRs); the budget stops runs earlier")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="planned steps of the LR schedule (overrides --epochs); a run stops there if its minutes last")
     p.add_argument("--speedup", type=float, default=3.0, help="target speedup of the skip recipes")
     p.add_argument("--data", default=None, help="E2E dev CSV (default: <shared data>/e2e/devset.csv)")
     p.add_argument("--out", default=None, help="output stem (default: benchmarks/results/recipe_study)")
@@ -96,11 +107,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="base model: id, directory or .gguf")
     p.add_argument("--heldout-mrs", type=int, default=40, help="dev MRs held out (validation loss, dev BLEU)")
     p.add_argument("--val-examples", type=int, default=128, help="held-out pairs scored for the validation loss")
-    p.add_argument("--evals", type=int, default=4, help="validation points per run (plus step 0)")
+    p.add_argument("--eval-every", type=int, default=20, help="validation every N steps (plus step 0 and the end)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=192)
-    p.add_argument("--calibration-steps", type=int, default=3)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
                    help="chat template (the real runs train on the plain task prompt)")
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +133,7 @@ def _selected(text: str) -> list[str]:
     unknown = [n for n in names if n not in RECIPES]
     if not names or unknown:
         _die(f"--recipes must be a comma list of {', '.join(RECIPES)}; unknown: {', '.join(unknown) or '(empty)'}")
-    if any(RECIPES[n].init == "1x" for n in names) and "1x" not in names:
+    if any(RECIPES[n].needs_1x() for n in names) and "1x" not in names:
         names.insert(0, "1x")
     return sorted(dict.fromkeys(names), key=lambda n: (n != "1x", names.index(n)))
 
@@ -133,22 +143,28 @@ def _check_numbers(args: argparse.Namespace) -> None:
         _die(f"--minutes must be > 0, got {args.minutes}")
     if args.speedup < 1:
         _die(f"--speedup must be >= 1, got {args.speedup}")
-    for name in ("batch_size", "eval_batch_size", "val_examples", "evals", "calibration_steps"):
+    if not args.epochs > 0:
+        _die(f"--epochs must be > 0, got {args.epochs}")
+    for name in ("batch_size", "eval_batch_size", "val_examples", "eval_every"):
         if getattr(args, name) < 1:
             _die(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_steps is not None and args.max_steps < 1:
         _die(f"--max-steps must be >= 1, got {args.max_steps}")
 
 
-def _config(args: argparse.Namespace, name: str, run_dir: Path, steps: int):
-    """The TrainConfig of recipe ``name`` for ``steps`` optimizer steps."""
+def _config(args: argparse.Namespace, name: str, run_dir: Path, runs: Path):
+    """The TrainConfig of recipe ``name``: ``--minutes`` of optimizer-step time (``max_minutes``)
+    on a schedule planned over ``--epochs`` (or ``--max-steps``)."""
     from skipdecode.train import TrainConfig
 
     r = RECIPES[name]
-    kw = dict(out_dir=str(run_dir), speedup=1.0 if r.full_depth else args.speedup, task="e2e", max_steps=steps,
-              batch_size=args.batch_size, max_length=args.max_length, lr=2e-4, max_val_examples=args.val_examples,
-              eval_every=max(1, steps // args.evals), checkpoint_every=0, chat=args.chat, seed=args.seed,
-              device=args.device, bf16=args.bf16, progress=not args.no_progress)
+    kw = dict(out_dir=str(run_dir), speedup=1.0 if r.full_depth else args.speedup, task="e2e", epochs=args.epochs,
+              max_steps=args.max_steps, max_minutes=args.minutes, batch_size=args.batch_size,
+              max_length=args.max_length, lr=2e-4, max_val_examples=args.val_examples, eval_every=args.eval_every,
+              checkpoint_every=0, chat=args.chat, seed=args.seed, device=args.device, bf16=args.bf16,
+              progress=not args.no_progress)
+    if r.teacher == "1x":
+        kw["teacher"] = str(runs / "1x" / "final")
     kw.update(r.overrides)
     return TrainConfig(**kw)
 
@@ -177,29 +193,25 @@ def _base(model: str, runs: Path) -> str:
 
 
 def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
-    """Calibrate, train and evaluate one recipe; returns its table row (with curves)."""
+    """Train (for ``--minutes``) and evaluate one recipe; returns its table row (with curves)."""
     import skipdecode
     from skipdecode.policy import policy_from_dict
     from skipdecode.train import train
 
     r = RECIPES[name]
     start = _base(args.model, runs) if r.init == "base" else str(runs / "1x" / "final")
-    if r.init == "1x" and not Path(start).is_dir():
-        _die(f"recipe {name} starts from {start}, which is missing: rerun the 1x recipe (--recipes 1x)")
+    needed = runs / "1x" / "final"
+    if r.needs_1x() and not needed.is_dir():
+        _die(f"recipe {name} needs {needed}, which is missing: rerun the 1x recipe (--recipes 1x)")
 
     def load():
         return skipdecode.load(start)
 
     run_dir = runs / name
     shutil.rmtree(run_dir, ignore_errors=True)  # not in the table: an unfinished run, start it afresh
-    probe = _config(args, name, run_dir, 1)
-    sps = seconds_per_step(load, split.train, probe, steps=args.calibration_steps)
-    steps = max(1, int(args.minutes * 60 / sps))
-    if args.max_steps is not None:
-        steps = min(steps, args.max_steps)
     sk = load()
     t0 = time.perf_counter()
-    result = train(sk, split.train, _config(args, name, run_dir, steps), val_data=split.heldout)
+    result = train(sk, split.train, _config(args, name, run_dir, runs), val_data=split.heldout)
     rec = result.to_dict()
     label, policy = next(iter(rec["policies"].items()))
     bleu = dev_bleu(sk, split.items, policy_from_dict(policy), batch_size=args.eval_batch_size, chat=args.chat)
@@ -207,12 +219,13 @@ def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
     if not args.keep_models and name != "1x":
         shutil.rmtree(Path(result.final_dir), ignore_errors=True)
     return {"recipe": name, "description": r.description, "init": r.init, "policy": label + "x",
-            "steps": result.steps, "examples": result.examples_seen, "tokens": result.tokens_seen,
-            "calibrated_seconds_per_step": sps, "train_minutes": result.train_seconds / 60,
+            "steps": result.steps, "planned_steps": result.total_steps, "stopped_on_budget": result.stopped_on_budget,
+            "examples": result.examples_seen, "tokens": result.tokens_seen, "train_minutes": result.train_seconds / 60,
             "wall_minutes": (time.perf_counter() - t0) / 60, "val_loss": curve[-1]["loss"] if curve else None,
             "dev_bleu": bleu["bleu"], "dev_theoretical_speedup": bleu["theoretical_speedup"],
             "dev_generation_seconds": bleu["seconds"], "val_curve": curve,
-            "config": {**rec["config"], "out_dir": repo_relative(rec["config"]["out_dir"])},
+            "config": {**rec["config"], "out_dir": repo_relative(rec["config"]["out_dir"]),
+                       "teacher": repo_relative(rec["config"]["teacher"]) if rec["config"]["teacher"] else None},
             "final_dir": repo_relative(result.final_dir) if Path(result.final_dir).exists() else None,
             "dev_generations": bleu["generations"]}
 
@@ -222,11 +235,15 @@ def to_markdown(study: dict) -> str:
     s = study["settings"]
     lines = [f"Recipe study: {s['minutes']:g} min of optimizer steps per run, {s['speedup']:g}x schedule, "
              f"{s['heldout_mrs']} held-out E2E dev MRs ({study['n_heldout_pairs']} pairs), batch {s['batch_size']}.",
-             "", "| recipe | start | steps | tokens | train min | val loss | dev BLEU | realised speedup |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "", "| recipe | start | KL teacher | steps (planned) | tokens | train min | val loss | dev BLEU "
+                 "| realised speedup |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in study["recipes"].values():
         val = f"{row['val_loss']:.3f}" if row["val_loss"] is not None else "-"
-        lines.append(f"| {row['recipe']} | {row['init']} | {row['steps']} | {row['tokens']} | "
+        kl = row["config"].get("kl_weight") or 0
+        teacher = "-" if not kl else ("1x" if row["config"].get("teacher") or row["init"] == "1x" else "start")
+        planned = row.get("planned_steps", row["steps"])
+        lines.append(f"| {row['recipe']} | {row['init']} | {teacher} | {row['steps']} ({planned}) | {row['tokens']} | "
                      f"{row['train_minutes']:.1f} | {val} | {row['dev_bleu']:.1f} | {row['dev_theoretical_speedup']:.2f} |")
     return "\n".join(lines) + "\n"
 

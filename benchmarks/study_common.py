@@ -1,6 +1,8 @@
 """Pieces shared by the recipe study (``recipe_study.py``) and the equal-budget frontier runner
 (``frontier.py``): the E2E dev split by meaning representation, training runs sized to a time
-budget or stopped at a deadline, and greedy BLEU on held-out dev MRs.
+budget (s/step measured, for the frontier's equal-examples cut) or stopped at a deadline, and
+greedy BLEU on held-out dev MRs. (The recipe study's per-run time budget is the trainer's own
+``TrainConfig.max_minutes``.)
 
 Not a library module: the benchmark scripts import it from their own folder.
 """
@@ -88,8 +90,8 @@ def deadline_callback(deadline: float | None) -> Callable[[dict], None] | None:
 def seconds_per_step(load_model: Callable[[], Any], data: Sequence[Any], config: Any, steps: int = 3) -> float:
     """Measured seconds per optimizer step of ``config``'s run (s), from a short throw-away run.
 
-    The trainer has no wall-clock stop that still ends the learning-rate schedule and saves the
-    model, so a run "of N minutes" is ``max_steps = N * 60 / seconds_per_step``. This runs
+    Used by ``frontier.py`` to cut the epochs of every model equally so that all of them fit before
+    a deadline (equal examples; a plain time budget is ``TrainConfig.max_minutes``). This runs
     ``steps`` optimizer steps of the same settings (same batch size, teacher, LoRA, options) on a
     freshly loaded model in a temporary folder, without validation, and returns the median step
     time of the steps after the first (the first pays one-off set-up), or the first's with one step.

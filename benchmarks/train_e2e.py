@@ -53,7 +53,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="train_e2e.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--speedup", default="2", help="target speedup (1 = full depth) or a comma list for mixed-policy training, e.g. 2,3,5")
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (the LR schedule's length)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="budget of optimizer-step time: stop after the first step past it and save the model")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model id, directory or .gguf")
     p.add_argument("--data", default=None, help="training CSV/JSONL (default: <shared data>/e2e/devset.csv)")
     p.add_argument("--task", default="e2e")
@@ -72,6 +74,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     p.add_argument("--distill", action="store_true", help="train on the full-depth model's greedy answers")
     p.add_argument("--kl-weight", type=float, default=0.0)
+    p.add_argument("--teacher", default=None,
+                   help="KL teacher (model id, directory or .gguf, same tokenizer); default: the starting model")
     p.add_argument("--grad-checkpointing", action="store_true")
     p.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="backpropagate through the prompt; --no-prompt-grad runs it under no_grad (same loss, faster)")
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             max_length=args.max_length, horizon=args.horizon, val_fraction=args.val_fraction,
             max_val_examples=args.max_val_examples, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, lora_r=args.lora_r, distill=args.distill,
-            kl_weight=args.kl_weight, gradient_checkpointing=args.grad_checkpointing, device=args.device,
+            kl_weight=args.kl_weight, teacher=args.teacher, max_minutes=args.max_minutes,
+            gradient_checkpointing=args.grad_checkpointing, device=args.device,
             bf16=args.bf16, chat=args.chat, seed=args.seed, resume=args.resume, progress=not args.no_progress,
             prompt_grad=args.prompt_grad, teacher_forcing=args.teacher_forcing, **schedule,
         )
@@ -242,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(record, png_path, f"SmolLM2-135M on E2E, {tag} schedule: {result.steps} steps, "
                            f"{result.tokens_per_second:.0f} tok/s, final val {val:.3f}")
     summary = {k: record[k] for k in ("tag", "steps", "tokens_seen", "wall_seconds", "tokens_per_second",
-                                      "target_tokens_per_second", "horizon", "final_dir")}
+                                      "target_tokens_per_second", "horizon", "final_dir",
+                                      "stopped_on_budget")}
     summary.update(final_train_loss=record["train_log"][-1]["loss"] if record["train_log"] else None,
                    final_val_loss=val, json=str(json_path), png=str(png_path))
     print(dumps(summary))

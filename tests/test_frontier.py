@@ -111,6 +111,23 @@ def test_frontier_dry_run_and_bad_input(tmp_path, tiny_dir, csvs, capsys):
         assert option in capsys.readouterr().err
 
 
+def test_frontier_labels_kl_1x_distils_from_the_equally_trained_1x_model(tmp_path, tiny_dir, csvs, capsys):
+    """Recipe labels-kl-1x: 1x is trained first; skip models start from the base and take the 1x
+    model as KL teacher; the 1x model itself has neither KL nor a teacher."""
+    mod = load_script("frontier")
+    assert mod.main(_args(tiny_dir, csvs, tmp_path, "--dry-run", "--recipe", "labels-kl-1x", "--speedups", "3")) == 0
+    dry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [m["label"] for m in dry["models"]] == ["1x", "3x", "mix2-3"]
+    args = mod._parse(_args(tiny_dir, csvs, tmp_path, "--recipe", "labels-kl-1x"))
+    runs = tmp_path / "runs"
+    skip = mod._train_config(args, {"label": "3x", "speedups": [3.0]}, runs / "3x", 1.0)
+    assert skip.kl_weight == 1.0 and skip.teacher == str(runs / "1x" / "final")
+    mixed = mod._train_config(args, {"label": "mix2-3", "speedups": [2.0, 3.0]}, runs / "mix2-3", 1.0)
+    assert mixed.teacher == str(runs / "1x" / "final")
+    ref = mod._train_config(args, {"label": "1x", "speedups": [1.0]}, runs / "1x", 1.0)
+    assert ref.kl_weight == 0 and ref.teacher is None
+
+
 def test_gpu_frontier_script_runs_on_cpu_with_a_tiny_model(tmp_path, tiny_dir, csvs):
     dev, test = csvs
     env = {**os.environ, "FRONTIER_MODEL": str(tiny_dir), "FRONTIER_DATA": str(dev.parent), "DEVICE": "cpu",

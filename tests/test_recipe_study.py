@@ -70,10 +70,11 @@ def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
     stem = tmp_path / "study"
     common = ["--model", str(tiny_dir), "--data", str(data), "--out", str(stem), "--runs", str(tmp_path / "runs"),
               "--minutes", "0.02", "--max-steps", "3", "--speedup", "2", "--heldout-mrs", "3", "--batch-size", "4",
-              "--eval-batch-size", "4", "--calibration-steps", "2", "--evals", "2", "--no-progress"]
-    assert mod.main(common + ["--recipes", "labels,from-1x-kl"]) == 0
+              "--eval-batch-size", "4", "--eval-every", "2", "--no-progress"]
+    assert mod.main(common + ["--recipes", "labels,from-1x-kl,labels-kl-1x"]) == 0
     study = json.loads(stem.with_suffix(".json").read_text())
-    assert list(study["recipes"]) == ["1x", "labels", "from-1x-kl"]  # 1x added first: from-1x-kl starts from it
+    # 1x added first: from-1x-kl starts from it, labels-kl-1x distils from it
+    assert list(study["recipes"]) == ["1x", "labels", "from-1x-kl", "labels-kl-1x"]
     for row in study["recipes"].values():
         assert 1 <= row["steps"] <= 3 and row["tokens"] > 0 and row["train_minutes"] > 0
         assert 0 <= row["dev_bleu"] <= 100 and row["val_loss"] > 0
@@ -83,21 +84,42 @@ def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
     assert study["recipes"]["1x"]["dev_theoretical_speedup"] == 1.0
     assert study["recipes"]["labels"]["dev_theoretical_speedup"] > 1.0
     assert study["recipes"]["from-1x-kl"]["config"]["kl_weight"] == 1.0
-    assert study["recipes"]["from-1x-kl"]["init"] == "1x"
+    assert study["recipes"]["from-1x-kl"]["init"] == "1x" and study["recipes"]["from-1x-kl"]["config"]["teacher"] is None
+    kl_1x = study["recipes"]["labels-kl-1x"]
+    assert kl_1x["init"] == "base" and kl_1x["config"]["kl_weight"] == 1.0
+    assert kl_1x["config"]["teacher"] == str(tmp_path / "runs" / "1x" / "final")  # outside the repo: as given
+    for row in study["recipes"].values():  # the --minutes budget is the trainer's max_minutes
+        assert row["config"]["max_minutes"] == 0.02 and row["planned_steps"] == 3
     assert study["n_heldout_pairs"] == 9 and study["n_train_pairs"] == 18
     assert (tmp_path / "runs" / "1x" / "final").is_dir() and not (tmp_path / "runs" / "labels" / "final").exists()
     md = stem.with_suffix(".md").read_text()
-    assert "| from-1x-kl | 1x |" in md and stem.with_suffix(".png").stat().st_size > 0
+    assert "| from-1x-kl | 1x | 1x |" in md and "| labels-kl-1x | base | 1x |" in md and "| labels | base | - |" in md
+    assert stem.with_suffix(".png").stat().st_size > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert set(json.loads(last)["recipe_study"]) == {"1x", "labels", "from-1x-kl"}
+    assert set(json.loads(last)["recipe_study"]) == {"1x", "labels", "from-1x-kl", "labels-kl-1x"}
 
     # resumable: finished recipes are skipped, a new one is added
     before = stem.with_suffix(".json").read_text()
     assert mod.main(common + ["--recipes", "labels,no-prompt-grad"]) == 0
     again = json.loads(stem.with_suffix(".json").read_text())
     assert again["recipes"]["labels"] == json.loads(before)["recipes"]["labels"]
-    assert list(again["recipes"]) == ["1x", "labels", "no-prompt-grad", "from-1x-kl"]
+    assert list(again["recipes"]) == ["1x", "labels", "no-prompt-grad", "from-1x-kl", "labels-kl-1x"]
     assert again["recipes"]["no-prompt-grad"]["config"]["prompt_grad"] is False
+
+
+def test_recipe_study_budget_stops_runs_mid_schedule(tmp_path, tiny_dir):
+    """A budget far below one step: the run stops after its first step of the 50 planned, and its
+    model is still validated and scored (the trainer's max_minutes, no calibration)."""
+    mod = load_script("recipe_study")
+    stem = tmp_path / "study"
+    assert mod.main(["--model", str(tiny_dir), "--data", str(write_e2e_csv(tmp_path / "dev.csv")), "--out", str(stem),
+                     "--runs", str(tmp_path / "runs"), "--minutes", "0.00001", "--max-steps", "50", "--speedup", "2",
+                     "--heldout-mrs", "3", "--batch-size", "4", "--eval-batch-size", "4", "--no-progress",
+                     "--recipes", "labels"]) == 0
+    row = json.loads(stem.with_suffix(".json").read_text())["recipes"]["labels"]
+    assert row["steps"] == 1 and row["planned_steps"] == 50 and row["stopped_on_budget"] is True
+    assert [p["step"] for p in row["val_curve"]] == [0, 1] and 0 <= row["dev_bleu"] <= 100
+    assert "| labels | base | - | 1 (50) |" in stem.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -299,7 +299,10 @@ def load_train_state(ckpt: Path, saved: dict[str, Any], optimizer: Any, schedule
     _read(rng_file, lambda p: _set_rng_state(torch.load(p, weights_only=False)), "the random-number state")
     return {"step": int(saved["step"]), "train_log": list(saved.get("train_log", [])),
             "val_log": list(saved.get("val_log", [])),
-            "totals": {"tokens": int(saved.get("tokens_seen", 0)), "targets": int(saved.get("target_tokens_seen", 0))}}
+            "totals": {"tokens": int(saved.get("tokens_seen", 0)), "targets": int(saved.get("target_tokens_seen", 0))},
+            # optimizer-step seconds spent so far (older checkpoints: the sum of the logged steps)
+            "train_seconds": float(saved.get("train_seconds", sum(r.get("seconds", 0.0)
+                                                                   for r in saved.get("train_log", []))))}
 
 
 def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: Callable[[Path], Path],

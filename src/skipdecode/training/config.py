@@ -68,6 +68,13 @@ class TrainConfig:
     Optimisation:
         epochs: passes over the training set (may be fractional); ignored when ``max_steps`` is set.
         max_steps: optimizer steps to run (overrides ``epochs``).
+        max_minutes: wall-clock budget of optimizer-step time (minutes; None: no budget). The run
+            stops after the first optimizer step that ends past it, then does what the end of a
+            run does (final validation, ``final/`` saved, the record says ``stopped_on_budget``).
+            The learning-rate schedule is still planned over ``max_steps``/``epochs``, so a run
+            stopped by the budget ends mid-schedule. Counted: the time of the optimizer steps
+            (forward, backward, optimizer; all invocations of a resumed run); not counted:
+            loading, data preparation, validation, checkpoint saving.
         lr: peak learning rate of AdamW. weight_decay: AdamW decoupled weight decay.
         batch_size: examples per micro-batch per process. grad_accum: micro-batches per step.
         lr_scheduler: "cosine", "linear", "constant" or "constant_with_warmup"
@@ -90,7 +97,12 @@ class TrainConfig:
         distill: train on the full-depth model's own greedy answers (computed before training,
             deduplicated by prompt; gold responses are ignored).
         kl_weight: add ``kl_weight * KL(teacher || student)`` per response token, where the teacher
-            is the full-depth frozen original model (>= 0; works with or without ``distill``).
+            is a full-depth frozen model (>= 0; works with or without ``distill``).
+        teacher: the KL teacher, a name or path :func:`skipdecode.load` takes (None: the model the
+            run starts from, frozen; with LoRA the base with the adapter off). Loaded once,
+            frozen, run at full depth under ``torch.no_grad()`` on the run's device and dtype; it
+            must have the student's tokenizer vocabulary. Needs ``kl_weight`` > 0. It enters
+            only the KL term: ``distill`` answers still come from the starting model.
         distill_max_new_tokens: longest teacher answer (tokens). distill_batch_size: prompts per
             teacher generation batch.
 
@@ -127,6 +139,7 @@ class TrainConfig:
     response_separator: str = " "
     epochs: float = 1.0
     max_steps: int | None = None
+    max_minutes: float | None = None
     lr: float = 2e-4
     weight_decay: float = 0.0
     batch_size: int = 8
@@ -143,6 +156,7 @@ class TrainConfig:
     bf16: bool = False
     distill: bool = False
     kl_weight: float = 0.0
+    teacher: str | None = None
     distill_max_new_tokens: int = 64
     distill_batch_size: int = 16
     lora_r: int = 0
@@ -240,6 +254,8 @@ def _check_optimisation(c: "TrainConfig") -> None:
     if not _is_num(c.epochs) or c.epochs <= 0:
         _fail("epochs", f"must be a number > 0, got {c.epochs!r}")
     _check_int(c, "max_steps", 1, optional=True)
+    if c.max_minutes is not None and (not _is_num(c.max_minutes) or c.max_minutes <= 0):
+        _fail("max_minutes", f"must be a number > 0 (minutes), got {c.max_minutes!r}")
     if not _is_num(c.lr) or c.lr <= 0:
         _fail("lr", f"must be a finite number > 0, got {c.lr!r}")
     if not _is_num(c.weight_decay) or c.weight_decay < 0:
@@ -270,6 +286,13 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     _check_bool(c, "distill")
     if not _is_num(c.kl_weight) or c.kl_weight < 0:
         _fail("kl_weight", f"must be a number >= 0, got {c.kl_weight!r}")
+    if c.teacher is not None:
+        if isinstance(c.teacher, os.PathLike):
+            object.__setattr__(c, "teacher", os.fspath(c.teacher))
+        if not isinstance(c.teacher, str) or not c.teacher.strip():
+            _fail("teacher", f"must be a model name or path, got {c.teacher!r}")
+        if c.kl_weight == 0:
+            _fail("teacher", "needs kl_weight > 0 (the teacher only enters the KL term)")
     _check_int(c, "distill_max_new_tokens", 1)
     _check_int(c, "distill_batch_size", 1)
     _check_int(c, "lora_r", 0)
@@ -297,7 +320,7 @@ RESUME_FIELDS = (
     "speedup", "speedups", "max_layers", "min_layers", "warmup_layers", "horizon", "task", "max_length",
     "val_fraction", "max_val_examples", "chat", "response_separator", "epochs", "max_steps", "lr",
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
-    "max_grad_norm", "seed", "distill", "kl_weight", "distill_max_new_tokens", "lora_r", "lora_alpha",
+    "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
     "lora_dropout", "skip_bad_rows", "prompt_grad",
 )
 

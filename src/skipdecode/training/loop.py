@@ -38,6 +38,7 @@ from .config import TrainConfig, TrainConfigError, build_policies
 from .loss import SkipLossModule, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
+from .teacher import load_teacher
 
 __all__ = ["train"]
 
@@ -91,8 +92,12 @@ class _Run:
         self.train_log: list[dict] = []
         self.val_log: list[dict] = []
         self.totals = {"tokens": 0, "targets": 0}
+        self.spent_seconds = 0.0  # optimizer-step time of all invocations (s): the max_minutes budget
+        self.stopped_on_budget = False
         self.start_step = 0
         self.peft_model = None
+        # a separate KL teacher: loaded once, before any data work, so a bad one fails early
+        self.own_teacher = load_teacher(config.teacher, self.sk, self.accelerator.device) if config.teacher else None
 
     # ---- data ---------------------------------------------------------------------------
     def prepare_data(self, data: Any, val_data: Any) -> None:
@@ -140,8 +145,8 @@ class _Run:
         c = self.config
         hf_model = self.sk.model
         hf_model.to(self.accelerator.device)
-        self.teacher_adapter: Adapter | None = None
-        if c.kl_weight > 0 and c.lora_r == 0:
+        self.teacher_adapter: Adapter | None = self.own_teacher
+        if c.kl_weight > 0 and c.lora_r == 0 and self.own_teacher is None:
             teacher = copy.deepcopy(hf_model).eval().requires_grad_(False)  # the original weights, frozen
             self.teacher_adapter = get_adapter(teacher)
         if c.lora_r > 0:
@@ -155,7 +160,7 @@ class _Run:
         else:
             inner, trainable = hf_model, hf_model
         adapter = get_adapter(inner)
-        if c.kl_weight > 0 and self.peft_model is not None:
+        if c.kl_weight > 0 and self.peft_model is not None and self.own_teacher is None:
             self.teacher_adapter = adapter  # run under peft_model.disable_adapter(): the frozen base
         if c.gradient_checkpointing:
             _enable_checkpointing(inner, adapter)
@@ -177,6 +182,7 @@ class _Run:
         state = ck.load_train_state(self.ckpt, self.saved, self.optimizer, self.scheduler, self.rank)
         self.start_step = state["step"]
         self.train_log, self.val_log, self.totals = state["train_log"], state["val_log"], state["totals"]
+        self.spent_seconds = state["train_seconds"]
 
     def unwrapped(self) -> SkipLossModule:
         """The loss module without Accelerate's wrappers."""
@@ -197,7 +203,8 @@ class _Run:
         """Full-depth teacher logits (N, V) at the target positions, or None without KL."""
         if self.teacher_adapter is None:
             return None
-        ctx = self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext()
+        base = self.peft_model is not None and self.own_teacher is None  # the LoRA base, adapter off
+        ctx = self.peft_model.disable_adapter() if base else contextlib.nullcontext()
         with torch.no_grad(), ctx, self.accelerator.autocast():
             return target_logits(self.teacher_adapter, batch, None).float()
 
@@ -293,7 +300,8 @@ class _Run:
             "policies": {label: p.to_dict() for label, p in self.policies},
             "base_model": self.base_name,
             "training": {"config": c.to_dict(), "step": step, "total_steps": self.total_steps,
-                         "lora": c.lora_r > 0, "distill": c.distill, "kl_weight": c.kl_weight},
+                         "lora": c.lora_r > 0, "distill": c.distill, "kl_weight": c.kl_weight,
+                         "teacher": c.teacher, "stopped_on_budget": self.stopped_on_budget},
             "data": self.data_record(step),
             "losses": {"train": [[r["step"], r["loss"]] for r in self.train_log],
                        "val": [[r["step"], r["loss"]] for r in self.val_log]},
@@ -315,7 +323,8 @@ class _Run:
         state = {"step": step, "total_steps": self.total_steps, "config": self.config.to_dict(),
                  "data_hash": self.data_hash, "horizon": self.horizon, "train_log": self.train_log,
                  "val_log": self.val_log, "tokens_seen": self.totals["tokens"],
-                 "target_tokens_seen": self.totals["targets"], "num_processes": self.world}
+                 "target_tokens_seen": self.totals["targets"], "num_processes": self.world,
+                 "train_seconds": self.spent_seconds}
         return ck.save_checkpoint(
             self.out_dir, step, accelerator=self.accelerator, save_model=lambda d: self.save_model(d, step),
             optimizer=self.optimizer, scheduler=self.scheduler, state=state,
@@ -336,6 +345,8 @@ class _Run:
             policies={label: p.to_dict() for label, p in self.policies}, horizon=self.horizon,
             num_layers=self.num_layers, lora=c.lora_r > 0, distill=c.distill, data=self.data_record(step),
             resumed_from=str(self.ckpt) if self.ckpt else None, config=c.to_dict(),
+            train_seconds_total=self.spent_seconds, stopped_on_budget=self.stopped_on_budget,
+            stopped_at_step=step if self.stopped_on_budget else None,
         )
 
     def write_record(self, res: TrainResult) -> None:
@@ -345,7 +356,8 @@ class _Run:
 
     # ---- the loop -----------------------------------------------------------------------
     def run(self, callback: Callable[[dict], None] | None) -> TrainResult:
-        """Train from ``start_step`` to ``total_steps``, then save ``final/`` and the record."""
+        """Train from ``start_step`` to ``total_steps`` (or until the ``max_minutes`` budget is
+        spent), then validate, save ``final/`` and write the record."""
         from tqdm.auto import tqdm
 
         c = self.config
@@ -357,23 +369,39 @@ class _Run:
         log.info("training %d params (%s), %d steps of %d examples, policies %s, horizon %d",
                  sum(p.numel() for p in self.params), "LoRA" if self.peft_model is not None else "full",
                  self.total_steps, self.step_examples, self.labels, self.horizon)
+        end = self.start_step
         try:
-            for step in range(self.start_step, self.total_steps):
-                self._one_step(step, meter, bar, callback)
+            while end < self.total_steps and not self.budget_spent():
+                self._one_step(end, meter, bar, callback)
+                end += 1
         finally:
             bar.close()
-        if not self.val_log or self.val_log[-1]["step"] != self.total_steps:
-            self.log_val(self.total_steps)
+        self.stopped_on_budget = end < self.total_steps
+        if self.stopped_on_budget:
+            log.info("stopping after step %d of %d: the max_minutes budget (%g min) is spent (%.2f min)",
+                     end, self.total_steps, c.max_minutes, self.spent_seconds / 60)
+        if not self.val_log or self.val_log[-1]["step"] != end:
+            self.log_val(end)
         final_dir = self.out_dir / "final"
         self.accelerator.wait_for_everyone()
         if self.main:
-            self.save_model(final_dir, self.total_steps)
+            self.save_model(final_dir, end)
         self.accelerator.wait_for_everyone()
         if self.peft_model is not None:  # leave the caller's model plain, with the adapter merged in place
             self.peft_model.merge_and_unload()
-        result = self.record(self.total_steps, final_dir, meter["seconds"], meter["tokens"], meter["targets"])
+        result = self.record(end, final_dir, meter["seconds"], meter["tokens"], meter["targets"])
         self.write_record(result)
         return result
+
+    def budget_spent(self) -> bool:
+        """Whether the optimizer-step time of all invocations has passed ``max_minutes`` (the
+        same answer on every process: the main process's clock decides)."""
+        over = self.config.max_minutes is not None and self.spent_seconds > self.config.max_minutes * 60
+        if self.world > 1:
+            from accelerate.utils import broadcast_object_list
+
+            over = broadcast_object_list([over])[0]
+        return bool(over)
 
     def _one_step(self, step: int, meter: dict, bar: Any, callback: Callable[[dict], None] | None) -> None:
         c = self.config
@@ -389,6 +417,7 @@ class _Run:
         seconds = time.perf_counter() - t0
         n_tok, n_tgt = int(stats[2]), int(stats[3])
         meter["seconds"] += seconds
+        self.spent_seconds += seconds
         meter["tokens"] += n_tok
         meter["targets"] += n_tgt
         self.totals["tokens"] += n_tok

@@ -32,6 +32,10 @@ class TrainResult:
         data: what the run read and saw (spec, sha256, counts, examples/epochs seen).
         resumed_from: the checkpoint this invocation continued, or None.
         config: the :class:`TrainConfig` as a dict.
+        train_seconds_total: optimizer-step time of all invocations (s), what ``max_minutes`` counts.
+        stopped_on_budget: the run stopped on ``max_minutes`` before ``total_steps`` (it ended
+            mid-schedule; ``final_dir`` still holds the model of step ``steps``).
+        stopped_at_step: the step it stopped after on the budget (== ``steps``), else None.
     """
 
     out_dir: str
@@ -56,6 +60,9 @@ class TrainResult:
     data: dict = field(default_factory=dict)
     resumed_from: str | None = None
     config: dict = field(default_factory=dict)
+    train_seconds_total: float = 0.0
+    stopped_on_budget: bool = False
+    stopped_at_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict."""
