@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
 from .policy import policy_from_dict
+from .quantize import QuantizeError, check_quantize, quantize_model
 
 __all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
 
@@ -107,6 +108,8 @@ def load(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     chat: bool | None = None,
+    quantize: str | None = None,
+    compile: bool = False,
 ) -> SkipModel:
     """Load a model for SkipDecode.
 
@@ -120,15 +123,26 @@ def load(
         device: torch device.
         dtype: "float32" (default; bf16 is slow on CPUs without AVX-512), "bfloat16", "float16".
         chat: use the chat template (None: when the tokenizer has one).
+        quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
+            decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
+            the input embedding stays float. ``SkipModel.resident_bytes`` reports the memory.
+        compile: compile the decode step's layer calls (:mod:`skipdecode.compiled`) and warm
+            it up at batch 1 here; ``SkipModel.compile_report`` holds the compile time or,
+            where compilation is unavailable, why it fell back to eager.
 
     Returns:
         :class:`SkipModel`.
 
     Raises:
-        LoadError: the model cannot be found or read (message says what was tried).
+        LoadError: the model cannot be found or read (message says what was tried), or
+            ``quantize`` is not None, "int8" or "int4" (message names ``quantize``).
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
     torch_dtype = _resolve_dtype(dtype)
+    try:
+        check_quantize(quantize)
+    except QuantizeError as err:
+        raise LoadError(str(err)) from None
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -179,7 +193,22 @@ def load(
         policy = policy_from_dict(skip_config["policy"])
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
-    return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    return _accelerate(sk, quantize, compile)
+
+
+def _accelerate(sk: SkipModel, quantize: str | None, compile: bool) -> SkipModel:
+    """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model."""
+    if quantize is not None:
+        try:
+            quantize_model(sk.model, quantize, layers=sk.adapter.layers)
+        except QuantizeError as err:
+            raise LoadError(str(err)) from None
+    if compile:
+        from .compiled import compile_adapter, warm_up
+
+        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter))
+    return sk
 
 
 def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:

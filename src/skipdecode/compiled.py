@@ -1,0 +1,186 @@
+"""A compiled decode step: ``torch.compile`` of each decoder-layer call (``load(..., compile=True)``).
+
+What is compiled: :func:`skipdecode.adapters.base.call_layer`, the one function through which
+THE layer loop (:mod:`skipdecode.forward`) runs a stock decoder layer, for decode steps only (one
+new token per row; the prefill's layers stay eager), and the adapter's ``head`` (final norm and LM
+head) for one position per row. The layer module is an argument of the compiled
+function, so all layers of a model share its compiled code; the KV-cache write
+(:meth:`SkipCache.update`, plain Python bookkeeping with per-layer lengths) runs eagerly between
+two compiled regions (a deliberate graph break), so a growing cache never changes a compiled
+graph's code, only its symbolic key length.
+
+Variants are bounded and do not depend on the skip policy: one graph (pair of regions) per
+distinct decoder-layer *attribute set* that dynamo specialises on (the layer index, which the
+stock attention passes to the cache: at most ``num_layers``), with batch size and key length
+symbolic after their second value (dynamo's automatic dynamic shapes). The number of
+recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
+With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
+loop (the fast int8/int4 path).
+
+First-call compile time is paid by :func:`warm_up` (run by ``load(compile=True)`` and by the
+benchmark before any timing) and reported by it, never inside step timings. Where compilation is
+unavailable (no C compiler, an unsupported platform, a dynamo error), :func:`compile_adapter`
+falls back to eager and says why in :attr:`CompileReport.error`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .adapters.base import Adapter, call_layer
+
+__all__ = ["CompileReport", "compile_adapter", "warm_up", "compile_available"]
+
+
+@dataclass
+class CompileReport:
+    """What :func:`compile_adapter` / :func:`warm_up` did.
+
+    Attributes:
+        enabled: decode steps run compiled (False: eager fallback).
+        backend: the torch.compile backend ("inductor").
+        compile_seconds: wall-clock seconds of the warm-up generations that compiled (s);
+            0.0 before :func:`warm_up`.
+        warmed_batch_sizes: batch sizes the warm-up ran (sequences).
+        error: why compilation is unavailable, one line ("" when enabled).
+    """
+
+    enabled: bool
+    backend: str = "inductor"
+    compile_seconds: float = 0.0
+    warmed_batch_sizes: list[int] = field(default_factory=list)
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable copy."""
+        return dict(self.__dict__)
+
+
+class _EagerCacheWrite:
+    """Hands the layer's cache write to the real cache outside the compiled graph."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """``cache.update`` (B, H_kv, T, D) -> the layer's keys and values so far, run eagerly."""
+        return self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def compile_available() -> tuple[bool, str]:
+    """Whether ``torch.compile`` with inductor can run here: ``(ok, reason when not)``.
+
+    Compiles and runs a two-op function once (a few seconds the first time in a process).
+    """
+    try:
+        fn = torch.compile(lambda x: (x * 2).sum(-1), backend="inductor", dynamic=False)
+        fn(torch.ones(2, 3))
+        return True, ""
+    except Exception as exc:  # any failure means: run eagerly
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True) -> CompileReport:
+    """Make ``adapter.run_layer`` use a compiled layer call for decode steps.
+
+    Args:
+        adapter: the model's adapter (its ``compiled_layer_call`` is set).
+        backend: torch.compile backend ("inductor"; "eager"/"aot_eager" for debugging).
+        check: first test that the backend works here (:func:`compile_available`).
+
+    Returns:
+        A :class:`CompileReport`; ``enabled=False`` and ``error`` set when compilation is
+        unavailable (the adapter is then left eager).
+    """
+    if check and backend == "inductor":
+        ok, why = compile_available()
+        if not ok:
+            adapter.compiled_layer_call = None
+            return CompileReport(enabled=False, backend=backend, error=why)
+    compiled = torch.compile(call_layer, backend=backend, dynamic=None)
+    limit = 2 * adapter.num_layers + 8
+    report = CompileReport(enabled=True, backend=backend)
+
+    def run(layer, hidden, attention_mask, cache, cache_kw, extra):
+        wrapped = None if cache is None else _EagerCacheWrite(cache)
+        # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
+        # contiguous so that strides never trigger a recompile
+        extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        lengths = None if cache is None else list(cache.lengths)
+        try:
+            with torch._dynamo.config.patch(
+                recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
+            ):
+                return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
+        except Exception as exc:  # compilation failed at run time: fall back for good
+            if not report.enabled:
+                raise
+            report.enabled = False
+            report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            adapter.compiled_layer_call = None
+            if lengths is not None:  # undo a cache write the failed call may have made
+                cache.lengths[:] = lengths
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+
+    adapter.compiled_layer_call = run
+    _compile_head(adapter, backend, report)
+    return report
+
+
+def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None:
+    """Compile the model's tail (final norm, projections, LM head) for one position per row.
+
+    Sets an instance attribute ``head`` that shadows the class method, so :func:`skip_forward`
+    (which calls ``adapter.head``) is unchanged; more than one position (teacher forcing, a
+    full-sequence prefill) runs the eager head.
+    """
+    eager_head = adapter.head
+    compiled = torch.compile(type(adapter).head, backend=backend, dynamic=None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] != 1 or not report.enabled:
+            return eager_head(hidden)
+        try:
+            return compiled(adapter, hidden.contiguous())  # the prefill passes a strided last-position view
+        except Exception as exc:
+            report.enabled = False
+            report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            return eager_head(hidden)
+
+    adapter.head = head
+
+
+def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
+    """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
+
+    Each generation runs the prefill (eager) and ``new_tokens - 1`` decode steps at full depth
+    (every layer, so every layer's variant is compiled) with two different key lengths, which is
+    what makes key length symbolic. Adds the wall-clock seconds to ``report.compile_seconds``.
+
+    Args:
+        sk: a :class:`skipdecode.model.SkipModel` whose adapter went through :func:`compile_adapter`.
+        report: its report (updated in place and returned).
+        batch_sizes: batch sizes to compile for (sequences); later sizes reuse a symbolic batch.
+        new_tokens: tokens per warm-up generation (>= 3).
+
+    Raises:
+        ValueError: ``new_tokens`` < 3.
+    """
+    if new_tokens < 3:
+        raise ValueError(f"new_tokens must be >= 3, got {new_tokens}")
+    if not report.enabled:
+        return report
+    from .generate import generate
+
+    start = time.perf_counter()
+    for B in batch_sizes:
+        generate(sk.adapter, sk.tokenizer, ["Hello there, how are you?"] * B, max_new_tokens=new_tokens,
+                 eos_token_ids=[], chat=False)
+        report.warmed_batch_sizes.append(B)
+    report.compile_seconds += time.perf_counter() - start
+    return report
