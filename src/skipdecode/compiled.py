@@ -60,6 +60,12 @@ class CompileReport:
         return dict(self.__dict__)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (at most 300 characters)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
 class _EagerCacheWrite:
     """Hands the layer's cache write to the real cache outside the compiled graph."""
 
@@ -82,7 +88,7 @@ def compile_available() -> tuple[bool, str]:
         fn(torch.ones(2, 3))
         return True, ""
     except Exception as exc:  # any failure means: run eagerly
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        return False, _one_line(exc)
 
 
 def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True) -> CompileReport:
@@ -101,12 +107,14 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         ok, why = compile_available()
         if not ok:
             adapter.compiled_layer_call = None
-            return CompileReport(enabled=False, backend=backend, error=why)
+            return CompileReport(enabled=False, backend=str(backend), error=why)
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8
-    report = CompileReport(enabled=True, backend=backend)
+    report = CompileReport(enabled=True, backend=getattr(backend, "__name__", str(backend)))
 
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
+        if not report.enabled:  # an earlier compile failed (layer or head): stay eager
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
         wrapped = None if cache is None else _EagerCacheWrite(cache)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
@@ -118,10 +126,8 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             ):
                 return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
         except Exception as exc:  # compilation failed at run time: fall back for good
-            if not report.enabled:
-                raise
             report.enabled = False
-            report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            report.error = _one_line(exc)
             adapter.compiled_layer_call = None
             if lengths is not None:  # undo a cache write the failed call may have made
                 cache.lengths[:] = lengths
@@ -149,7 +155,7 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
             return compiled(adapter, hidden.contiguous())  # the prefill passes a strided last-position view
         except Exception as exc:
             report.enabled = False
-            report.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            report.error = _one_line(exc)
             return eager_head(hidden)
 
     adapter.head = head
