@@ -48,9 +48,27 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
         fail(str(e))
 
 
-def load_model(model_name, device="cpu", dtype="float32", chat=None):
-    """Load ``model_name`` (None: embedded default), turning load errors into clean exits."""
+QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
+COMPILE_HELP = "torch.compile the decode step's layer calls (compile time is reported separately; falls back to eager where unavailable)."
+
+
+def check_quantize_option(quantize) -> None:
+    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""
+    from .quantize import QUANTIZE_MODES
+
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+
+
+def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False):
+    """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
+
+    ``quantize`` ("int8"/"int4") and ``compile`` are passed to :func:`skipdecode.load`; with
+    ``compile``, the compile time (or why it fell back to eager) is printed to stderr.
+    """
     import torch
+
+    check_quantize_option(quantize)
 
     from .adapters import UnsupportedArchitectureError
     from .loading import LoadError, load
@@ -69,9 +87,16 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None):
     hf_logging.disable_progress_bar()
     try:
         with err.status(f"loading {model_name or 'the embedded default model'} ..."):
-            return load(model_name, device=device, dtype=dtype, chat=chat)
+            sk = load(model_name, device=device, dtype=dtype, chat=chat, quantize=quantize, compile=compile)
     except (LoadError, UnsupportedArchitectureError) as e:
         fail(str(e))
+    report = sk.compile_report
+    if report is not None:
+        if report.enabled:
+            err.print(f"compiled the decode step in {report.compile_seconds:.1f} s (first call, batch 1)", markup=False)
+        else:
+            err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
+    return sk
 
 
 def command_line(ctx: typer.Context) -> str:
@@ -123,6 +148,8 @@ def generate(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: if the tokenizer has one)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
@@ -142,7 +169,7 @@ def generate(
         fail(str(e))
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    sk = load_model(model, device, dtype, chat)
+    sk = load_model(model, device, dtype, chat, quantize, compile)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
 
@@ -238,6 +265,8 @@ def eval_command(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted) instead of failing."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
@@ -245,6 +274,7 @@ def eval_command(
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
 
+    check_quantize_option(quantize)
     if batch_size < 1:
         fail(f"--batch-size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
@@ -273,7 +303,7 @@ def eval_command(
 
     def loader(spec):
         target = DEFAULT_MODEL if spec in ("stock", "default") and not Path(spec).exists() else spec
-        return lambda: load_model(target, device, dtype, chat)
+        return lambda: load_model(target, device, dtype, chat, quantize, compile)
 
     entries = {}
     for spec in models or ["stock"]:
@@ -413,6 +443,10 @@ def bench(
     profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
     bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile (each row gets its memory floor)."),
+    llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add a batch-1 llama.cpp row decoding this GGUF file ('default': the embedded model's); needs the bench-llamacpp extra."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     import os
@@ -449,6 +483,34 @@ def bench(
     import torch
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
+    check_quantize_option(quantize)
+    if variants is not None and (quantize is not None or compile):
+        fail("give either --variants or --quantize/--compile, not both")
+    if variants is not None or quantize is not None or compile or llamacpp is not None:
+        from . import bench_engines as E
+
+        try:
+            variant_list = E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
+        except ValueError as e:
+            fail(str(e))
+        gguf = None
+        if llamacpp is not None:
+            from .loading import LoadError, embedded_gguf_path
+
+            try:
+                gguf = str(embedded_gguf_path()) if llamacpp == "default" else llamacpp
+            except LoadError as e:
+                fail(f"--llamacpp: {e}")
+            if not Path(gguf).is_file():
+                fail(f"--llamacpp {gguf}: no such GGUF file")
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                fail("--llamacpp needs llama-cpp-python: pip install -e '.[bench-llamacpp]'")
+        _bench_variants(ctx, model, device, dtype, variant_list, gguf, output, plot, dict(
+            batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
+            warmup=warmup, include_hf=hf, prompts=prompts))
+        return
     sk = load_model(model, device, dtype)
 
     def progress(msg: str) -> None:
@@ -487,6 +549,49 @@ def bench(
     print(json.dumps(result), flush=True)
 
 
+def _bench_variants(ctx, model, device, dtype, variant_list, gguf, output, plot, bench_kwargs) -> None:
+    """``skipdecode bench --variants/--quantize/--compile/--llamacpp``: table, files, JSON line."""
+    import torch
+
+    from . import bench as B
+    from . import bench_engines as E
+
+    sk = load_model(model, device, dtype)
+
+    def progress(msg: str) -> None:
+        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
+
+    try:
+        result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=progress)
+    except ValueError as e:
+        fail(str(e))
+    if gguf is not None:
+        progress("llama.cpp: batch 1, full depth")
+        prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
+        result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
+                                            bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
+    result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"))
+    result["meta"]["command"] = command_line(ctx)
+    result["meta"]["variants"] = [v[0] for v in variant_list]
+    path = B.write_results(result, output)
+    if plot:  # the speedup plot of the first variant (the others are in the table and JSON)
+        first = variant_list[0][0]
+        B.write_plot({**result, "rows": [r for r in result["rows"] if r.get("variant") in (first, "float32")
+                                          and (r["engine"] == "hf" or r["variant"] == first)]},
+                     path.with_suffix(".png"))
+    table_out = out if out.is_terminal else Console(width=220)
+    table_out.print(E.variants_table(result))
+    for name, v in result["variants"].items():
+        rb = v["resident_bytes"]
+        comp = v["compile_report"]
+        extra = "" if comp is None else (f" | compile {comp['compile_seconds']:.1f} s (batch 1 and 8, before timing)"
+                                         if comp["enabled"] else f" | compile unavailable: {comp['error']}")
+        err.print(f"{name}: resident weights {rb['total'] / 1e6:.0f} MB ({rb['quantized'] / 1e6:.0f} MB quantized){extra}",
+                  markup=False, highlight=False)
+    err.print(f"issue 11 targets: {json.dumps(result['issue_targets'])} | results: {path}", markup=False, highlight=False)
+    print(json.dumps(result), flush=True)
+
+
 def _check_can_listen(host: str, port: int) -> None:
     """Exit with a one-line error when ``host:port`` cannot be bound (port in use, bad host).
 
@@ -522,12 +627,15 @@ def serve(
     name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
     device: str = typer.Option("cpu", "--device", help="torch device."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    check_quantize_option(quantize)
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
-    sk = load_model(model, device, dtype)
+    sk = load_model(model, device, dtype, quantize=quantize, compile=compile)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     import uvicorn
 
