@@ -152,3 +152,8 @@ def test_llamacpp_row_embedded_gguf():
     row = llamacpp_row(str(embedded_gguf_path()), "What is the capital of France?", 4, torch.get_num_threads(), 1, 10.0)
     assert row["engine"] == "llama.cpp" and row["batch_size"] == 1 and row["step_ms"] > 0
     assert row["floor_ms"] == pytest.approx(row["bytes_per_step"] / 1e10 * 1e3)
+
+
+def test_bench_profile_with_variants_refused(runner, chain_dir):
+    res = invoke(runner, ["bench", "--model", str(chain_dir), "--variants", "int8", "--profile"])
+    assert res.exit_code == 2 and "--profile breaks down the float32 eager step only" in " ".join(res.output.split())

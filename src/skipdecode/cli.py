@@ -486,6 +486,8 @@ def bench(
     check_quantize_option(quantize)
     if variants is not None and (quantize is not None or compile):
         fail("give either --variants or --quantize/--compile, not both")
+    if profile and (variants is not None or quantize is not None or compile or llamacpp is not None):
+        fail("--profile breaks down the float32 eager step only; leave out --variants/--quantize/--compile/--llamacpp")
     if variants is not None or quantize is not None or compile or llamacpp is not None:
         from . import bench_engines as E
 
