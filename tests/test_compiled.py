@@ -99,3 +99,60 @@ def test_compile_unavailable_reported(monkeypatch, tokenizer):
     assert report == CompileReport(enabled=False, error="InvalidCxxCompiler: no working C++ compiler")
     assert sk.adapter.compiled_layer_call is None
     assert warm_up(sk, report).compile_seconds == 0.0
+
+
+def _kernels_equal(family, tokenizer, quantize):
+    eager = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
+    compiled = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
+    report = warm_up(compiled, compile_adapter(compiled.adapter, mode="auto"), (2,))
+    assert report.enabled and report.mode == "kernels", report.error
+    for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
+        le, te = _run(eager, policy)
+        lc, tc = _run(compiled, policy)
+        assert torch.equal(te, tc)
+        assert (le - lc).abs().max().item() <= 1e-5
+    assert report.enabled, report.error
+
+
+def test_compiled_kernels_int8_equal_eager(tokenizer):
+    """Mode "kernels": the fused int8 products (inductor) equal the eager int8 kernels to 1e-5."""
+    _kernels_equal("llama", tokenizer, "int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,quantize", [("gpt2", "int8"), ("opt_proj", "int4"), ("qwen2", "int4")])
+def test_compiled_kernels_equal_eager_slow(family, quantize, tokenizer):
+    _kernels_equal(family, tokenizer, quantize)
+
+
+def test_compile_mode_checks(tokenizer):
+    from skipdecode.compiled import resolve_mode
+
+    sk = SkipModel(make_model("llama"), tokenizer)
+    assert resolve_mode(sk.adapter, "auto") == "layers"
+    with pytest.raises(ValueError, match="compile must be True, False or one of auto, kernels, layers"):
+        resolve_mode(sk.adapter, "fast")
+    with pytest.raises(ValueError, match="needs quantized weights"):
+        compile_adapter(sk.adapter, mode="kernels")
+    from skipdecode.loading import LoadError, load
+
+    with pytest.raises(LoadError, match="compile='kernels' needs quantize"):
+        load("/nonexistent", compile="kernels")
+    with pytest.raises(LoadError, match="compile must be True, False or one of"):
+        load("/nonexistent", compile="fast")
+
+
+def test_compiled_kernel_failure_falls_back(monkeypatch, tokenizer):
+    import skipdecode.quantize as Q
+
+    def broken(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler")
+
+    monkeypatch.setitem(Q._KERNEL_STATE, "int8", broken)
+    monkeypatch.setitem(Q._KERNEL_STATE, "error", "")
+    ref = _run(SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer), None)
+    sk = SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, mode="kernels"), (1,))
+    assert not report.enabled and "no working C++ compiler" in report.error
+    logits, tokens = _run(sk, None)
+    assert torch.equal(tokens, ref[1]) and torch.allclose(logits, ref[0], atol=1e-6)

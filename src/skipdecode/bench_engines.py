@@ -44,10 +44,12 @@ __all__ = [
 ]
 
 
-def parse_variants(text: str) -> list[tuple[str, str | None, bool]]:
-    """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", True)]``.
+def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
+    """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
 
-    Each item is a weight format (float32, int8, int4) with an optional ``+compile``.
+    Each item is a weight format (float32, int8, int4) with an optional ``+compile`` (compile
+    mode "auto": the fused quantized products, or the layer calls of a float32 model) or
+    ``+compile-layers`` (mode "layers": every decoder-layer call).
 
     Raises:
         ValueError: an unknown item (the message names ``--variants`` and the allowed forms).
@@ -57,11 +59,13 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool]]:
         if not item:
             continue
         base, _, suffix = item.partition("+")
-        if base not in ("float32", *QUANTIZE_MODES) or suffix not in ("", "compile"):
+        if base not in ("float32", *QUANTIZE_MODES) or suffix not in ("", "compile", "compile-layers"):
             raise ValueError(
-                f"--variants items must be float32, int8 or int4, each optionally +compile; got {item!r}"
+                f"--variants items must be float32, int8 or int4, each optionally +compile or "
+                f"+compile-layers; got {item!r}"
             )
-        out.append((item, None if base == "float32" else base, suffix == "compile"))
+        mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
+        out.append((item, None if base == "float32" else base, mode))
     if not out:
         raise ValueError("--variants must name at least one variant")
     return out
@@ -90,24 +94,28 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float
     return {"read_gbs": nbytes / best_read / 1e9, "copy_gbs": 2 * nbytes / best_copy / 1e9, "megabytes": megabytes}
 
 
-def build_variant(sk, quantize: str | None, compile: bool, cache: dict[str | None, Any] | None = None):
+def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any, Any] | None = None):
     """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized and/or compiled.
 
-    Quantized weights are made from a deep copy of ``sk.model`` (kept in ``cache`` by format,
-    so ``int8`` and ``int8+compile`` share one copy); ``sk`` itself is never modified.
+    Quantized weights are made from a deep copy of ``sk.model``, kept in ``cache`` by format
+    and kernel mode (``int8+compile`` has its own copy, whose modules run compiled kernels);
+    ``sk`` itself is never modified.
     Returns ``(model, compile_report or None)``; compile time is paid here (batch 1 and 8).
     """
     from .compiled import compile_adapter, warm_up
     from .model import SkipModel
 
     cache = {} if cache is None else cache
-    if quantize not in cache:
-        cache[quantize] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
-    variant = SkipModel(cache[quantize], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
+    # compiled kernels are switched on per quantized module: such a variant gets its own copy
+    key = (quantize, quantize is not None and compile not in (False, "layers"))
+    if key not in cache:
+        cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
+    variant = SkipModel(cache[key], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
                         skip_config=sk.skip_config)
     report = None
     if compile:
-        report = warm_up(variant, compile_adapter(variant.adapter), (1, 8))
+        mode = "auto" if compile is True else compile
+        report = warm_up(variant, compile_adapter(variant.adapter, mode=mode), (1, 8))
         variant.compile_report = report
     return variant, report
 
@@ -166,7 +174,7 @@ def add_floors(rows: list[dict[str, Any]], sk, prompt_lens: dict[int, int], band
 
 def run_variants(
     sk,
-    variants: Sequence[tuple[str, str | None, bool]],
+    variants: Sequence[tuple[str, str | None, bool | str]],
     *,
     bench_kwargs: dict[str, Any],
     bandwidth: dict[str, float] | None = None,
@@ -195,7 +203,7 @@ def run_variants(
     if bandwidth is None:
         progress("measuring memory bandwidth")
         bandwidth = measure_bandwidth()
-    cache: dict[str | None, Any] = {}
+    cache: dict[Any, Any] = {}
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
     result: dict[str, Any] = {}

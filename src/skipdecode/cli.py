@@ -49,7 +49,8 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
 
 
 QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
-COMPILE_HELP = "torch.compile the decode step's layer calls (compile time is reported separately; falls back to eager where unavailable)."
+COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
+                "call (compile time is reported separately; falls back to eager where unavailable).")
 
 
 def check_quantize_option(quantize) -> None:
@@ -93,7 +94,8 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
     report = sk.compile_report
     if report is not None:
         if report.enabled:
-            err.print(f"compiled the decode step in {report.compile_seconds:.1f} s (first call, batch 1)", markup=False)
+            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s (first call, batch 1)",
+                      markup=False)
         else:
             err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
     return sk

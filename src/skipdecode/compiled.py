@@ -33,7 +33,7 @@ import torch
 
 from .adapters.base import Adapter, call_layer
 
-__all__ = ["CompileReport", "compile_adapter", "warm_up", "compile_available"]
+__all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
 
 
 @dataclass
@@ -42,6 +42,8 @@ class CompileReport:
 
     Attributes:
         enabled: decode steps run compiled (False: eager fallback).
+        mode: "kernels" (the weight-only products of quantized linears) or "layers" (every
+            decoder-layer call and the LM head).
         backend: the torch.compile backend ("inductor").
         compile_seconds: wall-clock seconds of the warm-up generations that compiled (s);
             0.0 before :func:`warm_up`.
@@ -50,6 +52,7 @@ class CompileReport:
     """
 
     enabled: bool
+    mode: str = "layers"
     backend: str = "inductor"
     compile_seconds: float = 0.0
     warmed_batch_sizes: list[int] = field(default_factory=list)
@@ -91,26 +94,64 @@ def compile_available() -> tuple[bool, str]:
         return False, _one_line(exc)
 
 
-def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True) -> CompileReport:
-    """Make ``adapter.run_layer`` use a compiled layer call for decode steps.
+COMPILE_MODES = ("auto", "kernels", "layers")
+
+
+def resolve_mode(adapter: Adapter, mode: str) -> str:
+    """``"auto"`` -> ``"kernels"`` when the model has quantized linears, else ``"layers"``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`COMPILE_MODES` (names ``compile``).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    from .quantize import quantized_mode
+
+    return "kernels" if quantized_mode(adapter.model) is not None else "layers"
+
+
+def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True, mode: str = "layers") -> CompileReport:
+    """Compile the decode step of ``adapter``'s model.
 
     Args:
-        adapter: the model's adapter (its ``compiled_layer_call`` is set).
-        backend: torch.compile backend ("inductor"; "eager"/"aot_eager" for debugging).
-        check: first test that the backend works here (:func:`compile_available`).
+        adapter: the model's adapter.
+        backend: torch.compile backend of mode "layers" ("inductor"; "eager"/"aot_eager" for
+            debugging); mode "kernels" always uses inductor.
+        check: first test that inductor works here (:func:`compile_available`).
+        mode: "layers": ``adapter.run_layer`` uses a compiled layer call (and ``adapter.head`` a
+            compiled tail) for decode steps. "kernels": every quantized linear
+            (:mod:`skipdecode.quantize`) runs its decode-step product through a shared compiled
+            fused kernel; the rest stays eager (the faster choice on the test CPU, see
+            docs/quantization.md). "auto": kernels for a quantized model, else layers.
 
     Returns:
         A :class:`CompileReport`; ``enabled=False`` and ``error`` set when compilation is
-        unavailable (the adapter is then left eager).
+        unavailable (the model is then left eager).
+
+    Raises:
+        ValueError: unknown ``mode``; mode "kernels" on a model without quantized linears.
     """
-    if check and backend == "inductor":
+    mode = resolve_mode(adapter, mode)
+    if mode == "kernels":
+        from .quantize import _QuantLinear
+
+        quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
+        if not quantized:
+            raise ValueError("compile mode 'kernels' needs quantized weights (quantize='int8' or 'int4')")
+    if check and (backend == "inductor" or mode == "kernels"):
         ok, why = compile_available()
         if not ok:
             adapter.compiled_layer_call = None
-            return CompileReport(enabled=False, backend=str(backend), error=why)
+            return CompileReport(enabled=False, mode=mode, backend="inductor", error=why)
+    if mode == "kernels":
+        for m in quantized:
+            m.compiled_kernel = True
+        return CompileReport(enabled=True, mode="kernels", backend="inductor")
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8
-    report = CompileReport(enabled=True, backend=getattr(backend, "__name__", str(backend)))
+    report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
 
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
@@ -189,4 +230,9 @@ def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_
                  eos_token_ids=[], chat=False)
         report.warmed_batch_sizes.append(B)
     report.compile_seconds += time.perf_counter() - start
+    if report.mode == "kernels":
+        from .quantize import kernel_error
+
+        if kernel_error():
+            report.enabled, report.error = False, kernel_error()
     return report

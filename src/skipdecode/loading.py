@@ -109,7 +109,7 @@ def load(
     dtype: str | torch.dtype = "float32",
     chat: bool | None = None,
     quantize: str | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> SkipModel:
     """Load a model for SkipDecode.
 
@@ -126,16 +126,20 @@ def load(
         quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
             decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
             the input embedding stays float. ``SkipModel.resident_bytes`` reports the memory.
-        compile: compile the decode step's layer calls (:mod:`skipdecode.compiled`) and warm
-            it up at batch 1 here; ``SkipModel.compile_report`` holds the compile time or,
-            where compilation is unavailable, why it fell back to eager.
+        compile: False, True (= "auto"), "kernels" or "layers": compile the decode step
+            (:mod:`skipdecode.compiled`; "auto": the fused quantized products when
+            ``quantize`` is set, else every decoder-layer call) and warm it up at batch 1 here;
+            ``SkipModel.compile_report`` holds the compile time or, where compilation is
+            unavailable, why it fell back to eager.
 
     Returns:
         :class:`SkipModel`.
 
     Raises:
         LoadError: the model cannot be found or read (message says what was tried), or
-            ``quantize`` is not None, "int8" or "int4" (message names ``quantize``).
+            ``quantize`` is not None, "int8" or "int4" (message names ``quantize``), or
+            ``compile`` is not a bool or a compile mode (names ``compile``), or ``compile="kernels"``
+            without ``quantize``.
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
     torch_dtype = _resolve_dtype(dtype)
@@ -143,6 +147,10 @@ def load(
         check_quantize(quantize)
     except QuantizeError as err:
         raise LoadError(str(err)) from None
+    if not isinstance(compile, bool) and compile not in ("auto", "kernels", "layers"):
+        raise LoadError(f"compile must be True, False or one of auto, kernels, layers, got {compile!r}")
+    if compile == "kernels" and quantize is None:
+        raise LoadError("compile='kernels' needs quantize='int8' or 'int4' (it compiles the quantized products)")
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -197,7 +205,7 @@ def load(
     return _accelerate(sk, quantize, compile)
 
 
-def _accelerate(sk: SkipModel, quantize: str | None, compile: bool) -> SkipModel:
+def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str) -> SkipModel:
     """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model."""
     if quantize is not None:
         try:
@@ -207,7 +215,8 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool) -> SkipModel
     if compile:
         from .compiled import compile_adapter, warm_up
 
-        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter))
+        mode = "auto" if compile is True else compile
+        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, mode=mode))
     return sk
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "quantize_model",
     "quantized_mode",
     "resident_bytes",
+    "kernel_error",
 ]
 
 QUANTIZE_MODES = ("int8", "int4")
@@ -99,12 +100,18 @@ class _QuantLinear(nn.Module):
         self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    #: set by :func:`skipdecode.compiled.compile_adapter` (mode "kernels"): decode steps run
+    #: the product through the module-level compiled fused kernel
+    compiled_kernel: bool = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., K) float -> (..., N), as the float layer would compute it from ``W'``."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling() and x2.shape[0] <= FUSED_MAX_ROWS:
-            y = self._fused(x2)
+            y = self._fused(x2)  # inside a compiled layer: inductor fuses it
+        elif self.compiled_kernel and x.ndim == 3 and shape[1] == 1 and x2.shape[0] <= FUSED_MAX_ROWS:
+            y = _run_compiled_kernel(self, x2)  # a decode step: one token per row
         else:
             y = self._eager(x2)
         if self.bias is not None:
@@ -140,8 +147,10 @@ class Int8Linear(_QuantLinear):
         return self.weight_int8.to(self.scale.dtype) * self.scale[:, None]
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight_int8.to(x.dtype)
-        return (x[:, None, :] * w[None]).sum(-1) * self.scale.to(x.dtype)
+        return _fused_int8(x, self.weight_int8, self.scale)
+
+    def _kernel_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight_int8, self.scale)
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= INT8PACK_MAX_ROWS and x.device.type == "cpu" and x.dtype in (
@@ -196,12 +205,56 @@ class Int4Linear(_QuantLinear):
         return w.reshape(self.out_features, self.in_features)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._codes(x.dtype) * self.scale.to(x.dtype)[..., None] + self.minimum.to(x.dtype)[..., None]
-        xg = x.reshape(x.shape[0], 1, self.in_features // self.group_size, self.group_size)
-        return (xg * w[None]).sum((-1, -2))
+        return _fused_int4(x, self.weight_int4, self.scale, self.minimum)
+
+    def _kernel_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight_int4, self.scale, self.minimum)
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized().to(x.dtype))
+
+
+def _fused_int8(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(M, K) x int8 (N, K) with per-row ``scale`` (N,) -> (M, N), written as one broadcast
+    multiply-and-sum so that inductor fuses the dequantization into the reduction."""
+    return (x[:, None, :] * weight_int8.to(x.dtype)[None]).sum(-1) * scale.to(x.dtype)
+
+
+def _fused_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """(M, K) x packed int4 (N, K/2) with group ``scale``/``minimum`` (N, G) -> (M, N)."""
+    N, G = scale.shape
+    K = x.shape[1]
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(N, G, K // G).to(x.dtype)
+    w = q * scale.to(x.dtype)[..., None] + minimum.to(x.dtype)[..., None]
+    return (x.reshape(x.shape[0], 1, G, K // G) * w[None]).sum((-1, -2))
+
+
+_KERNEL_STATE: dict[str, Any] = {"int8": None, "int4": None, "error": ""}
+
+
+def _run_compiled_kernel(module: "_QuantLinear", x: torch.Tensor) -> torch.Tensor:
+    """``module._fused(x)`` through one shared ``torch.compile``'d function (inductor fuses the
+    dequantization into the product). Variants: one per distinct (weight format, N, K) and batch
+    size until the batch becomes symbolic; never per layer or per policy. Falls back to the eager
+    kernel for good (recording why in :func:`kernel_error`) if compilation fails.
+    """
+    if _KERNEL_STATE["error"]:
+        return module._eager(x)
+    kind = "int8" if isinstance(module, Int8Linear) else "int4"
+    if _KERNEL_STATE[kind] is None:
+        _KERNEL_STATE[kind] = torch.compile(_fused_int8 if kind == "int8" else _fused_int4, dynamic=None)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64):
+            return _KERNEL_STATE[kind](x, *module._kernel_args())
+    except Exception as exc:  # no compiler, unsupported platform: eager from now on
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        _KERNEL_STATE["error"] = f"{type(exc).__name__}: {text}"[:300]
+        return module._eager(x)
+
+
+def kernel_error() -> str:
+    """Why the compiled fused kernels fell back to eager in this process ("" if they did not)."""
+    return _KERNEL_STATE["error"]
 
 
 def _replace(parent: nn.Module, name: str, new: nn.Module) -> None:
