@@ -183,8 +183,8 @@ def run_variants(
     """Benchmark every variant of ``sk`` (see the module docstring) in one run.
 
     Args:
-        sk: the float32 :class:`SkipModel` (also the HF ``generate`` baseline, run once with the
-            first variant when ``bench_kwargs["include_hf"]``).
+        sk: the float32 :class:`SkipModel`; HF ``generate`` runs once, on the first variant's
+            model, when ``bench_kwargs["include_hf"]`` (put float32 first for the usual baseline).
         variants: from :func:`parse_variants`.
         bench_kwargs: keyword arguments of :func:`skipdecode.bench.run_benchmark`.
         bandwidth: a :func:`measure_bandwidth` result (default: measured here, first).
@@ -219,8 +219,8 @@ def run_variants(
             texts = batch_prompts(B, prompts) if prompts else batch_prompts(B)
             prompt_lens[B] = encode_prompts(variant.tokenizer, texts, chat=variant.chat)[0].shape[1]
         add_floors(part["rows"], variant, prompt_lens, bandwidth["read_gbs"])
-        for r in part["rows"]:
-            r["variant"] = "float32" if r["engine"] == "hf" else name
+        for r in part["rows"]:  # HF generate ran on this (the first) variant's model
+            r["variant"] = name
         rows += part["rows"]
         info[name] = {
             "quantize": quantize,

@@ -580,8 +580,7 @@ def _bench_variants(ctx, model, device, dtype, variant_list, gguf, output, plot,
     path = B.write_results(result, output)
     if plot:  # the speedup plot of the first variant (the others are in the table and JSON)
         first = variant_list[0][0]
-        B.write_plot({**result, "rows": [r for r in result["rows"] if r.get("variant") in (first, "float32")
-                                          and (r["engine"] == "hf" or r["variant"] == first)]},
+        B.write_plot({**result, "rows": [r for r in result["rows"] if r.get("variant") == first]},
                      path.with_suffix(".png"))
     table_out = out if out.is_terminal else Console(width=220)
     table_out.print(E.variants_table(result))
