@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import adapter_prompts  # noqa: E402  (benchmarks/adapter_prompts.py)
+from skipdecode.jsonio import dumps  # noqa: E402  strict JSON (NaN/inf -> null)
 
 
 def rel(path: str | Path) -> str:
@@ -185,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    (out_dir / f"{args.name}.json").write_text(dumps(report, indent=1, ensure_ascii=False) + "\n")
     md = to_markdown(report)
     (out_dir / f"{args.name}.md").write_text(md)
     print(md)
-    print(json.dumps({r["model"] + " " + r["policy_label"]: {"exact": round(r["exact"], 1), "rougeL": round(r["rougeL"], 1),
+    print(dumps({r["model"] + " " + r["policy_label"]: {"exact": round(r["exact"], 1), "rougeL": round(r["rougeL"], 1),
                       "speedup": round(r["theoretical_speedup"], 2)} for r in rows}))
     return 0
 

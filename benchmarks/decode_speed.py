@@ -9,6 +9,12 @@ one JSON line; writes ``benchmarks/results/decode_speed.json`` and ``decode_spee
     python benchmarks/decode_speed.py --batch-sizes 1,8 --profile     # + where a step's time goes
     python benchmarks/decode_speed.py --device cuda --dtype bfloat16  # on a GPU
 
+int8/int4 weights and the compiled step, each row with its memory floor, and llama.cpp
+(docs/quantization.md; about 20-30 minutes on a quiet 2-core machine):
+
+    python benchmarks/decode_speed.py --variants float32,float32+compile,int8+compile,int4+compile \
+        --llamacpp default --threads 2 --output benchmarks/results/decode_speed_quant.json
+
 All options: ``python benchmarks/decode_speed.py --help``.
 """
 

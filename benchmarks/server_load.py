@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(dumps(result, indent=2) + "\n")
     print(table(rows))
-    print(json.dumps(result))
+    print(dumps(result))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import adapter_prompts  # noqa: E402  (benchmarks/adapter_prompts.py)
+from skipdecode.jsonio import dumps  # noqa: E402  strict JSON (NaN/inf -> null)
 
 
 def _rel(path: Path) -> str:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
             write_json_atomic(meta_path, meta)
         target = install_adapter(src)
-        print(json.dumps({"installed": _rel(target),
+        print(dumps({"installed": _rel(target),
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from skipdecode.model import write_json_atomic
 
     write_json_atomic(final / "skipdecode.json", meta)
-    print(json.dumps({"final": _rel(final), "minutes": round(minutes, 1), "steps": result.steps,
+    print(dumps({"final": _rel(final), "minutes": round(minutes, 1), "steps": result.steps,
                       "val_log": result.val_log, "horizon": result.horizon}), flush=True)
     return 0
 

@@ -49,10 +49,29 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
         fail(str(e))
 
 
-def load_model(model_name, device="cpu", dtype="float32", chat=None, adapter=True):
+QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
+COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
+                "call (compile time is reported separately; falls back to eager where unavailable).")
+
+
+def check_quantize_option(quantize) -> None:
+    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""
+    from .quantize import QUANTIZE_MODES
+
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+
+
+def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):
     """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
-    ``adapter``: :func:`skipdecode.load`'s (True: the shipped skip adapter, if any; False: none)."""
+
+    ``quantize`` ("int8"/"int4"), ``compile`` and ``adapter`` (True: the shipped skip adapter, if
+    any; False: none) are passed to :func:`skipdecode.load`; with
+    ``compile``, the compile time (or why it fell back to eager) is printed to stderr.
+    """
     import torch
+
+    check_quantize_option(quantize)
 
     from .adapters import UnsupportedArchitectureError
     from .loading import LoadError, load
@@ -71,9 +90,18 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, adapter=Tru
     hf_logging.disable_progress_bar()
     try:
         with err.status(f"loading {model_name or 'the embedded default model'} ..."):
-            return load(model_name, device=device, dtype=dtype, chat=chat, adapter=adapter)
+            sk = load(model_name, device=device, dtype=dtype, chat=chat, quantize=quantize, compile=compile,
+                      adapter=adapter)
     except (LoadError, UnsupportedArchitectureError) as e:
         fail(str(e))
+    report = sk.compile_report
+    if report is not None:
+        if report.enabled:
+            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s (first call, batch 1)",
+                      markup=False)
+        else:
+            err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
+    return sk
 
 
 def command_line(ctx: typer.Context) -> str:
@@ -127,6 +155,8 @@ def generate(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: if the tokenizer has one)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
@@ -150,7 +180,7 @@ def generate(
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if max_batch_size < 1:
         fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    sk = load_model(model, device, dtype, chat, adapter=not no_adapter)
+    sk = load_model(model, device, dtype, chat, quantize, compile, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     single = len(all_prompts) == 1
 
@@ -252,6 +282,8 @@ def eval_command(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows (counted) instead of failing."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar over batches (stderr)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
@@ -261,6 +293,7 @@ def eval_command(
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
 
+    check_quantize_option(quantize)
     if batch_size < 1:
         fail(f"--batch-size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
@@ -291,7 +324,7 @@ def eval_command(
         named = spec in ("stock", "default") and not Path(spec).exists()
         target = DEFAULT_MODEL if named else spec
         use_adapter = not no_adapter and not (named and spec == "stock")  # 'stock' = the stock weights
-        return lambda: load_model(target, device, dtype, chat, adapter=use_adapter)
+        return lambda: load_model(target, device, dtype, chat, quantize, compile, adapter=use_adapter)
 
     entries = {}
     for spec in models or ["stock"]:
@@ -438,6 +471,10 @@ def bench(
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
     bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " Speed is the same either way (the adapter is merged)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile (each row gets its memory floor)."),
+    llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add a batch-1 llama.cpp row decoding this GGUF file ('default': the embedded model's); needs the bench-llamacpp extra."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     import os
@@ -474,6 +511,36 @@ def bench(
     import torch
 
     torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
+    check_quantize_option(quantize)
+    if variants is not None and (quantize is not None or compile):
+        fail("give either --variants or --quantize/--compile, not both")
+    if profile and (variants is not None or quantize is not None or compile or llamacpp is not None):
+        fail("--profile breaks down the float32 eager step only; leave out --variants/--quantize/--compile/--llamacpp")
+    if variants is not None or quantize is not None or compile or llamacpp is not None:
+        from . import bench_engines as E
+
+        try:
+            variant_list = E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
+        except ValueError as e:
+            fail(str(e))
+        gguf = None
+        if llamacpp is not None:
+            from .loading import LoadError, embedded_gguf_path
+
+            try:
+                gguf = str(embedded_gguf_path()) if llamacpp == "default" else llamacpp
+            except LoadError as e:
+                fail(f"--llamacpp: {e}")
+            if not Path(gguf).is_file():
+                fail(f"--llamacpp {gguf}: no such GGUF file")
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                fail("--llamacpp needs llama-cpp-python: pip install -e '.[bench-llamacpp]'")
+        _bench_variants(ctx, model, device, dtype, not no_adapter, variant_list, gguf, output, plot, dict(
+            batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
+            warmup=warmup, include_hf=hf, prompts=prompts))
+        return
     sk = load_model(model, device, dtype, adapter=not no_adapter)
 
     def progress(msg: str) -> None:
@@ -509,6 +576,48 @@ def bench(
         f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {escape(str(path))}[/]",
         highlight=False,
     )
+    print(dumps(result), flush=True)
+
+
+def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, output, plot, bench_kwargs) -> None:
+    """``skipdecode bench --variants/--quantize/--compile/--llamacpp``: table, files, JSON line."""
+    import torch
+
+    from . import bench as B
+    from . import bench_engines as E
+
+    sk = load_model(model, device, dtype, adapter=adapter)
+
+    def progress(msg: str) -> None:
+        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
+
+    try:
+        result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=progress)
+    except ValueError as e:
+        fail(str(e))
+    if gguf is not None:
+        progress("llama.cpp: batch 1, full depth")
+        prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
+        result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
+                                            bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
+    result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"))
+    result["meta"]["command"] = command_line(ctx)
+    result["meta"]["variants"] = [v[0] for v in variant_list]
+    path = B.write_results(result, output)
+    if plot:  # the speedup plot of the first variant (the others are in the table and JSON)
+        first = variant_list[0][0]
+        B.write_plot({**result, "rows": [r for r in result["rows"] if r.get("variant") == first]},
+                     path.with_suffix(".png"))
+    table_out = out if out.is_terminal else Console(width=220)
+    table_out.print(E.variants_table(result))
+    for name, v in result["variants"].items():
+        rb = v["resident_bytes"]
+        comp = v["compile_report"]
+        extra = "" if comp is None else (f" | compile {comp['compile_seconds']:.1f} s (batch 1 and 8, before timing)"
+                                         if comp["enabled"] else f" | compile unavailable: {comp['error']}")
+        err.print(f"{name}: resident weights {rb['total'] / 1e6:.0f} MB ({rb['quantized'] / 1e6:.0f} MB quantized){extra}",
+                  markup=False, highlight=False)
+    err.print(f"issue 11 targets: {dumps(result['issue_targets'])} | results: {path}", markup=False, highlight=False)
     print(dumps(result), flush=True)
 
 
@@ -551,8 +660,11 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    check_quantize_option(quantize)
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     if max_batch_size < 1:
@@ -560,7 +672,7 @@ def serve(
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
-    sk = load_model(model, device, dtype, adapter=not no_adapter)
+    sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     import uvicorn
 

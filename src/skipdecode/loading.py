@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .adapters import UnsupportedArchitectureError
 from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
 from .policy import policy_from_dict
+from .quantize import QuantizeError, check_quantize, quantize_model
 
 __all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
 
@@ -109,6 +110,8 @@ def load(
     dtype: str | torch.dtype = "float32",
     chat: bool | None = None,
     adapter: bool | str | os.PathLike = True,
+    quantize: str | None = None,
+    compile: bool | str = False,
 ) -> SkipModel:
     """Load a model for SkipDecode.
 
@@ -127,19 +130,37 @@ def load(
             adapter); its ``skipdecode.json`` then gives the default policy and chat setting, so
             full depth runs the adapted weights. False: none (the stock weights). A folder path:
             that LoRA adapter, merged into whatever ``model`` is.
+        quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
+            decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
+            the input embedding stays float. ``SkipModel.resident_bytes`` reports the memory.
+        compile: False, True (= "auto"), "kernels" or "layers": compile the decode step
+            (:mod:`skipdecode.compiled`; "auto": the fused quantized products when
+            ``quantize`` is set, else every decoder-layer call) and warm it up at batch 1 here;
+            ``SkipModel.compile_report`` holds the compile time or, where compilation is
+            unavailable, why it fell back to eager.
 
     Returns:
         :class:`SkipModel`.
 
     Raises:
         LoadError: the model cannot be found or read (message says what was tried), a weights
-            file is corrupt (names the file), skipdecode.json's policy does not fit the model, or the
-            ``adapter`` folder cannot be read or does not fit the model.
+            file is corrupt (names the file), skipdecode.json's policy does not fit the model, the
+            ``adapter`` folder cannot be read or does not fit the model, ``quantize`` is not None,
+            "int8" or "int4" (names ``quantize``), ``compile`` is not a bool or a compile mode
+            (names ``compile``), or ``compile="kernels"`` without ``quantize``.
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
     if not isinstance(adapter, (bool, str, os.PathLike)):
         raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
     torch_dtype = _resolve_dtype(dtype)
+    try:
+        check_quantize(quantize)
+    except QuantizeError as err:
+        raise LoadError(str(err)) from None
+    if not isinstance(compile, bool) and compile not in ("auto", "kernels", "layers"):
+        raise LoadError(f"compile must be True, False or one of auto, kernels, layers, got {compile!r}")
+    if compile == "kernels" and quantize is None:
+        raise LoadError("compile='kernels' needs quantize='int8' or 'int4' (it compiles the quantized products)")
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -194,12 +215,29 @@ def load(
     if policy is None and "policy" in skip_config:
         try:
             policy = policy_from_dict(skip_config["policy"])
-            return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+            sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
         except (ValueError, KeyError, TypeError) as err:  # the checkpoint's policy does not fit the model
             if isinstance(err, UnsupportedArchitectureError):
                 raise
             raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: its policy does not fit the model: {err}") from None
-    return SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    else:
+        sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    return _accelerate(sk, quantize, compile)
+
+
+def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str) -> SkipModel:
+    """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model."""
+    if quantize is not None:
+        try:
+            quantize_model(sk.model, quantize, layers=sk.adapter.layers)
+        except QuantizeError as err:
+            raise LoadError(str(err)) from None
+    if compile:
+        from .compiled import compile_adapter, warm_up
+
+        mode = "auto" if compile is True else compile
+        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, mode=mode))
+    return sk
 
 
 def _check_weight_files(path: Path) -> None:

@@ -95,6 +95,22 @@ class SkipModel:
         self.chat = chat
         self.source = source
         self.skip_config = dict(skip_config or {})
+        #: :class:`skipdecode.compiled.CompileReport` when loaded with ``compile=True``, else None
+        self.compile_report: Any = None
+
+    @property
+    def quantize(self) -> str | None:
+        """``"int8"``/``"int4"`` when the weights are quantized (``load(quantize=...)``), else None."""
+        from .quantize import quantized_mode
+
+        return quantized_mode(self.model)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the model's parameters and buffers (each storage once): ``{"total",
+        "quantized", "float"}`` (see :func:`skipdecode.quantize.resident_bytes`)."""
+        from .quantize import resident_bytes
+
+        return resident_bytes(self.model)
 
     def _check_policy(self, policy: SkipPolicy) -> None:
         if policy.num_layers != self.num_layers:
@@ -220,7 +236,15 @@ class SkipModel:
 
         The directory is written under a temporary name and renamed into place, so a crash never
         leaves a half-written checkpoint. Returns the directory path.
+
+        Raises:
+            ValueError: the weights are quantized (``load(quantize=...)``): save the float model
+                and quantize it at load time instead.
         """
+        if self.quantize is not None:
+            raise ValueError(
+                f"cannot save a {self.quantize}-quantized model: save the float model and pass quantize= to load()"
+            )
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))

@@ -58,6 +58,9 @@ class Adapter:
         # (5.2x); pass whichever the installed version's layer accepts.
         params = inspect.signature(type(self.layers[0]).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # set by skipdecode.compiled.compile_adapter: a torch.compile'd stand-in for
+        # call_layer that run_layer uses for decode steps (one new token per row)
+        self.compiled_layer_call: Any = None
 
     # -- hooks -------------------------------------------------------------------------------
     def _layers(self) -> nn.ModuleList:
@@ -138,9 +141,10 @@ class Adapter:
         updates through the HF ``Cache.update`` contract.
         """
         kwargs = dict(extra)
-        kwargs[self._cache_kw] = cache
-        out = self.layers[layer_idx](hidden, attention_mask=attention_mask, use_cache=cache is not None, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        call = call_layer
+        if self.compiled_layer_call is not None and hidden.shape[1] == 1:
+            call = self.compiled_layer_call
+        return call(self.layers[layer_idx], hidden, attention_mask, cache, self._cache_kw, kwargs)
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse a generation whose positions do not fit the model's context.
@@ -173,6 +177,15 @@ class Adapter:
         hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
         head_dim = getattr(cfg, "head_dim", None) or hidden // heads
         return kv_heads, head_dim
+
+
+def call_layer(
+    layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor, cache: Any, cache_kw: str, extra: dict[str, Any]
+) -> torch.Tensor:
+    """One stock decoder layer call, (B, T, C) -> (B, T, C): ``cache`` is passed under the
+    keyword ``cache_kw`` (``cache`` or ``past_key_values``) and ``extra`` as keywords."""
+    out = layer(hidden, attention_mask=attention_mask, use_cache=cache is not None, **{cache_kw: cache}, **extra)
+    return out[0] if isinstance(out, tuple) else out
 
 
 ADAPTERS: dict[str, type[Adapter]] = {}

@@ -1,0 +1,358 @@
+"""Benchmark variants (float32 / int8 / int4, eager / compiled), memory floors and llama.cpp.
+
+:func:`run_variants` runs :func:`skipdecode.bench.run_benchmark` once per *variant* of one loaded
+model, in one process, and adds to every row:
+
+- ``variant`` (e.g. ``"int8+compile"``), the variant's resident weight bytes and compile time
+  (paid by :func:`skipdecode.compiled.warm_up` before any timing, reported separately);
+- ``bytes_per_step``: what a decode step must read from memory at least: the weights of the
+  layers it runs (in their stored width: 4, 1 or 0.5 bytes per weight plus scales), the tail
+  (final norm + LM head, read every step whatever the plan), B embedding rows, and the KV cache
+  each active layer attends to (B x (prompt + t) positions x 2 x kv heads x head dim);
+- ``floor_ms = bytes_per_step / bandwidth`` and ``over_floor = step_ms / floor_ms``, with the
+  read bandwidth measured in the same run by :func:`measure_bandwidth`.
+
+:func:`llamacpp_row` decodes the same GGUF file with llama.cpp (``llama-cpp-python``, the
+optional extra ``bench-llamacpp``) at its native quantization, greedy, same threads and prompt,
+timed like our rows (interval between consecutive tokens). Its high-level bindings decode one
+sequence at a time; batched decoding of several sequences needs the low-level ``llama_decode``
+API with ``n_seq_max`` (not used here), so llama.cpp rows exist at batch 1 only.
+
+The library never prints: ``skipdecode bench --variants ...`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .quantize import QUANTIZE_MODES, quantize_model, resident_bytes
+
+__all__ = [
+    "parse_variants",
+    "measure_bandwidth",
+    "build_variant",
+    "step_bytes",
+    "add_floors",
+    "run_variants",
+    "llamacpp_row",
+    "issue_targets",
+]
+
+
+def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
+    """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
+
+    Each item is a weight format (float32, int8, int4) with an optional ``+compile`` (compile
+    mode "auto": the fused quantized products, or the layer calls of a float32 model) or
+    ``+compile-layers`` (mode "layers": every decoder-layer call).
+
+    Raises:
+        ValueError: an unknown item (the message names ``--variants`` and the allowed forms).
+    """
+    out = []
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        base, _, suffix = item.partition("+")
+        if base not in ("float32", *QUANTIZE_MODES) or suffix not in ("", "compile", "compile-layers"):
+            raise ValueError(
+                f"--variants items must be float32, int8 or int4, each optionally +compile or "
+                f"+compile-layers; got {item!r}"
+            )
+        mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
+        out.append((item, None if base == "float32" else base, mode))
+    if not out:
+        raise ValueError("--variants must name at least one variant")
+    return out
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Memory bandwidth in GB/s (1e9 bytes/s), best of ``repeats``, with torch's current threads.
+
+    ``read_gbs``: ``src.sum()`` over a float32 tensor of ``megabytes`` MB (reads it once; what
+    weight-streaming needs). ``copy_gbs``: ``dst.copy_(src)``, counting read + write bytes.
+    """
+    n = megabytes * 1_000_000 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    src.sum()
+    dst.copy_(src)
+    best_read = best_copy = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    nbytes = n * 4
+    return {"read_gbs": nbytes / best_read / 1e9, "copy_gbs": 2 * nbytes / best_copy / 1e9, "megabytes": megabytes}
+
+
+def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any, Any] | None = None):
+    """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized and/or compiled.
+
+    Quantized weights are made from a deep copy of ``sk.model``, kept in ``cache`` by format
+    and kernel mode (``int8+compile`` has its own copy, whose modules run compiled kernels);
+    ``sk`` itself is never modified.
+    Returns ``(model, compile_report or None)``; compile time is paid here (batch 1 and 8).
+    """
+    from .compiled import compile_adapter, warm_up
+    from .model import SkipModel
+
+    cache = {} if cache is None else cache
+    # compiled kernels are switched on per quantized module: such a variant gets its own copy
+    key = (quantize, quantize is not None and compile not in (False, "layers"))
+    if key not in cache:
+        cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
+    variant = SkipModel(cache[key], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
+                        skip_config=sk.skip_config)
+    report = None
+    if compile:
+        mode = "auto" if compile is True else compile
+        report = warm_up(variant, compile_adapter(variant.adapter, mode=mode), (1, 8))
+        variant.compile_report = report
+    return variant, report
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    return resident_bytes(module)["total"]
+
+
+def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) -> float:
+    """Mean bytes one decode step reads (see the module docstring), over ``layers_run``.
+
+    Args:
+        sk: the benchmarked :class:`SkipModel` (weights in their stored format).
+        layers_run: active layer count of each decode step t = 1, 2, ... (the plan keeps the
+            bottom ``warmup`` and top layers; per-layer sizes are equal in these models, so the
+            mean layer size is used).
+        batch_size: B (sequences).
+        prompt_len: padded prompt length P (tokens); step t attends to P + t positions.
+    """
+    adapter = sk.adapter
+    layer_bytes = [_module_bytes(layer) for layer in adapter.layers]
+    mean_layer = sum(layer_bytes) / len(layer_bytes)
+    model = sk.model
+    layer_ids = {id(m) for layer in adapter.layers for m in layer.modules()}
+    emb = model.get_input_embeddings()
+    tail = 0
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is emb.weight:
+        tail += emb.weight.numel() * emb.weight.element_size()  # tied float head: the whole table
+    elif head is not None:
+        tail += _module_bytes(head)
+    for name, module in model.named_modules():  # final norms / projections outside the layers
+        if id(module) in layer_ids or module is emb or module is head or list(module.children()):
+            continue
+        if "embed_positions" in name or name.endswith("wpe"):
+            continue
+        tail += _module_bytes(module)
+    emb_row = emb.weight.shape[-1] * emb.weight.element_size()
+    kv_heads, head_dim = adapter.kv_shape
+    el = next(model.parameters()).element_size()
+    total = 0.0
+    for t, n in enumerate(layers_run, start=1):
+        kv = n * batch_size * (prompt_len + t) * 2 * kv_heads * head_dim * el
+        total += n * mean_layer + tail + batch_size * emb_row + kv
+    return total / max(len(layers_run), 1)
+
+
+def add_floors(rows: list[dict[str, Any]], sk, prompt_lens: dict[int, int], bandwidth_gbs: float) -> None:
+    """Add ``bytes_per_step``, ``floor_ms`` and ``over_floor`` to each row (in place)."""
+    for r in rows:
+        b = step_bytes(sk, r["layers_run"], r["batch_size"], prompt_lens[r["batch_size"]])
+        r["bytes_per_step"] = b
+        r["floor_ms"] = b / (bandwidth_gbs * 1e9) * 1e3
+        r["over_floor"] = r["step_ms"] / r["floor_ms"]
+
+
+def run_variants(
+    sk,
+    variants: Sequence[tuple[str, str | None, bool | str]],
+    *,
+    bench_kwargs: dict[str, Any],
+    bandwidth: dict[str, float] | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Benchmark every variant of ``sk`` (see the module docstring) in one run.
+
+    Args:
+        sk: the float32 :class:`SkipModel`; HF ``generate`` runs once, on the first variant's
+            model, when ``bench_kwargs["include_hf"]`` (put float32 first for the usual baseline).
+        variants: from :func:`parse_variants`.
+        bench_kwargs: keyword arguments of :func:`skipdecode.bench.run_benchmark`.
+        bandwidth: a :func:`measure_bandwidth` result (default: measured here, first).
+
+    Returns:
+        ``{"meta", "rows", "targets", "bandwidth", "variants"}``; ``rows`` hold every variant's
+        rows with ``variant`` and the floor fields.
+
+    Raises:
+        ValueError: as :func:`run_benchmark`.
+    """
+    from .bench import _targets, batch_prompts, run_benchmark
+    from .generate import encode_prompts
+
+    progress = on_progress or (lambda msg: None)
+    if bandwidth is None:
+        progress("measuring memory bandwidth")
+        bandwidth = measure_bandwidth()
+    cache: dict[Any, Any] = {}
+    rows: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    result: dict[str, Any] = {}
+    prompts = bench_kwargs.get("prompts")
+    for i, (name, quantize, compile) in enumerate(variants):
+        progress(f"variant {name}: preparing")
+        variant, report = build_variant(sk, quantize, compile, cache)
+        kwargs = dict(bench_kwargs)
+        kwargs["include_hf"] = bool(bench_kwargs.get("include_hf", True)) and i == 0
+        part = run_benchmark(variant, on_progress=lambda m, n=name: progress(f"{n}: {m}"), **kwargs)
+        prompt_lens = {}
+        for B in {r["batch_size"] for r in part["rows"]}:
+            texts = batch_prompts(B, prompts) if prompts else batch_prompts(B)
+            prompt_lens[B] = encode_prompts(variant.tokenizer, texts, chat=variant.chat)[0].shape[1]
+        add_floors(part["rows"], variant, prompt_lens, bandwidth["read_gbs"])
+        for r in part["rows"]:  # HF generate ran on this (the first) variant's model
+            r["variant"] = name
+        rows += part["rows"]
+        info[name] = {
+            "quantize": quantize,
+            "compile": compile,
+            "resident_bytes": resident_bytes(variant.model),
+            "compile_report": report.to_dict() if report is not None else None,
+        }
+        if i == 0:
+            result["meta"] = part["meta"]
+            result["targets"] = part["targets"]
+    result.update(rows=rows, bandwidth=bandwidth, variants=info)
+    return result
+
+
+def llamacpp_row(
+    gguf_path: str,
+    prompt: str,
+    new_tokens: int,
+    threads: int,
+    repeats: int = 3,
+    bandwidth_gbs: float | None = None,
+) -> dict[str, Any]:
+    """Batch-1 greedy decode of ``gguf_path`` with llama.cpp at its native quantization.
+
+    Step time = (last - first token timestamp) / (new_tokens - 1), median over ``repeats``
+    (after one warm-up), as for our rows. ``bytes_per_step`` is the GGUF file size (llama.cpp
+    reads every tensor each step; the tied embedding table is stored once), a lower bound.
+
+    Raises:
+        ImportError: llama-cpp-python is not installed (``pip install -e '.[bench-llamacpp]'``).
+    """
+    import os
+
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+
+    def once() -> tuple[float, list[int]]:
+        stamps, out = [], []
+        llm.reset()
+        for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())
+            out.append(tok)
+            if len(out) == new_tokens:
+                break
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1), out
+
+    once()
+    runs = [once() for _ in range(repeats)]
+    step_s = statistics.median(r[0] for r in runs)
+    size = os.path.getsize(gguf_path)
+    row = {
+        "batch_size": 1,
+        "engine": "llama.cpp",
+        "variant": "gguf-native",
+        "policy": "full",
+        "step_ms": step_s * 1e3,
+        "step_ms_runs": [r[0] * 1e3 for r in runs],
+        "tokens_per_s": 1.0 / step_s,
+        "prompt_tokens": len(tokens),
+        "bytes_per_step": float(size),
+        "threads": threads,
+        "batched_decoding": "not with the high-level bindings (one sequence per Llama); the low-level llama_decode with n_seq_max could",
+    }
+    if bandwidth_gbs:
+        row["floor_ms"] = size / (bandwidth_gbs * 1e9) * 1e3
+        row["over_floor"] = row["step_ms"] / row["floor_ms"]
+    return row
+
+
+def issue_targets(rows: list[dict[str, Any]], llamacpp: dict[str, Any] | None) -> dict[str, Any]:
+    """The targets of issue 11, from one run's rows (None where a needed row is missing).
+
+    - float32 full depth, batch 1, within 1.3x of its floor;
+    - the 3x policy at batch 1 with the lowest-bit variant no slower per token than llama.cpp at
+      full depth (int8 alone: within 1.5x of it);
+    - wall-clock over theoretical speedup at 3x, batch 1, >= 0.85 with a quantized head.
+    """
+    def find(variant_prefix: str, policy: str, B: int) -> list[dict[str, Any]]:
+        return [r for r in rows if r.get("engine") == "skipdecode" and r["policy"] == policy
+                and r["batch_size"] == B and r.get("variant", "float32").split("+")[0] == variant_prefix]
+
+    out: dict[str, Any] = {}
+    f = find("float32", "full", 1)
+    out["float32_full_b1_over_floor"] = min((r["over_floor"] for r in f), default=None)
+    out["float32_full_b1_within_1.3x_floor"] = None if not f else out["float32_full_b1_over_floor"] <= 1.3
+    lc = llamacpp["step_ms"] if llamacpp else None
+    for q, limit in (("int4", 1.0), ("int8", 1.5)):
+        r3 = find(q, "3x", 1)
+        best = min((r["step_ms"] for r in r3), default=None)
+        out[f"{q}_3x_b1_step_ms"] = best
+        out[f"{q}_3x_b1_vs_llamacpp"] = None if best is None or lc is None else best / lc
+        out[f"{q}_3x_b1_within_{limit:g}x_llamacpp"] = None if best is None or lc is None else best <= limit * lc
+    quant3 = [r for q in QUANTIZE_MODES for r in find(q, "3x", 1)]
+    best_ratio = max((r["wall_over_theoretical"] for r in quant3), default=None)
+    out["quantized_3x_b1_wall_over_theoretical"] = best_ratio
+    out["quantized_3x_b1_wall_over_theoretical_ge_0.85"] = None if best_ratio is None else best_ratio >= 0.85
+    out["llamacpp_batched_8"] = "not measured: the high-level bindings decode one sequence at a time"
+    return out
+
+
+def variants_table(result: dict[str, Any]):
+    """A ``rich.table.Table`` of :func:`run_variants` rows (and a llama.cpp row), with floors."""
+    from rich.table import Table
+
+    bw = result["bandwidth"]
+    table = Table(
+        title=(f"decode step per variant | floor = bytes read per step / {bw['read_gbs']:.1f} GB/s "
+               f"(read bandwidth measured in this run; copy {bw['copy_gbs']:.1f} GB/s)"),
+        title_justify="left",
+    )
+    for col in ("batch", "variant", "policy", "mean layers", "theoretical", "step ms", "tok/s", "wall speedup",
+                "wall/theo", "MB/step", "floor ms", "x floor"):
+        table.add_column(col, justify="left" if col in ("variant", "policy") else "right")
+    rows = sorted(result["rows"], key=lambda r: (r["batch_size"], r["policy"] != "full", r["policy"]))
+    last = None
+    for r in rows + ([result["llamacpp"]] if result.get("llamacpp") else []):
+        if last is not None and r["batch_size"] != last:
+            table.add_section()
+        last = r["batch_size"]
+        engine = r.get("engine")
+        policy = {"hf": "HF generate", "llama.cpp": "llama.cpp full"}.get(engine, r["policy"])
+        theo = r.get("theoretical_speedup")
+        table.add_row(
+            str(r["batch_size"]), r.get("variant", "-"), policy,
+            f"{r['mean_active_layers']:.1f}" if "mean_active_layers" in r else "-",
+            f"{theo:.2f}x" if theo else "-",
+            f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
+            f"{r['wall_speedup']:.2f}x" if engine == "skipdecode" else "-",
+            f"{r['wall_over_theoretical']:.2f}" if engine == "skipdecode" and r["policy"] != "full" else "-",
+            f"{r['bytes_per_step'] / 1e6:.0f}", f"{r['floor_ms']:.2f}" if "floor_ms" in r else "-",
+            f"{r['over_floor']:.2f}" if "over_floor" in r else "-",
+        )
+    return table

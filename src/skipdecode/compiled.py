@@ -1,0 +1,238 @@
+"""A compiled decode step: ``torch.compile`` of each decoder-layer call (``load(..., compile=True)``).
+
+What is compiled: :func:`skipdecode.adapters.base.call_layer`, the one function through which
+THE layer loop (:mod:`skipdecode.forward`) runs a stock decoder layer, for decode steps only (one
+new token per row; the prefill's layers stay eager), and the adapter's ``head`` (final norm and LM
+head) for one position per row. The layer module is an argument of the compiled
+function, so all layers of a model share its compiled code; the KV-cache write
+(:meth:`SkipCache.update`, plain Python bookkeeping with per-layer lengths) runs eagerly between
+two compiled regions (a deliberate graph break), so a growing cache never changes a compiled
+graph's code, only its symbolic key length.
+
+Variants are bounded and do not depend on the skip policy: one graph (pair of regions) per
+distinct decoder-layer *attribute set* that dynamo specialises on (the layer index, which the
+stock attention passes to the cache: at most ``num_layers``), with batch size and key length
+symbolic after their second value (dynamo's automatic dynamic shapes). The number of
+recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
+With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
+loop (the fast int8/int4 path).
+
+First-call compile time is paid by :func:`warm_up` (run by ``load(compile=True)`` and by the
+benchmark before any timing) and reported by it, never inside step timings. Where compilation is
+unavailable (no C compiler, an unsupported platform, a dynamo error), :func:`compile_adapter`
+falls back to eager and says why in :attr:`CompileReport.error`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .adapters.base import Adapter, call_layer
+
+__all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
+
+
+@dataclass
+class CompileReport:
+    """What :func:`compile_adapter` / :func:`warm_up` did.
+
+    Attributes:
+        enabled: decode steps run compiled (False: eager fallback).
+        mode: "kernels" (the weight-only products of quantized linears) or "layers" (every
+            decoder-layer call and the LM head).
+        backend: the torch.compile backend ("inductor").
+        compile_seconds: wall-clock seconds of the warm-up generations that compiled (s);
+            0.0 before :func:`warm_up`.
+        warmed_batch_sizes: batch sizes the warm-up ran (sequences).
+        error: why compilation is unavailable, one line ("" when enabled).
+    """
+
+    enabled: bool
+    mode: str = "layers"
+    backend: str = "inductor"
+    compile_seconds: float = 0.0
+    warmed_batch_sizes: list[int] = field(default_factory=list)
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable copy."""
+        return dict(self.__dict__)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (at most 300 characters)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+class _EagerCacheWrite:
+    """Hands the layer's cache write to the real cache outside the compiled graph."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """``cache.update`` (B, H_kv, T, D) -> the layer's keys and values so far, run eagerly."""
+        return self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def compile_available() -> tuple[bool, str]:
+    """Whether ``torch.compile`` with inductor can run here: ``(ok, reason when not)``.
+
+    Compiles and runs a two-op function once (a few seconds the first time in a process).
+    """
+    try:
+        fn = torch.compile(lambda x: (x * 2).sum(-1), backend="inductor", dynamic=False)
+        fn(torch.ones(2, 3))
+        return True, ""
+    except Exception as exc:  # any failure means: run eagerly
+        return False, _one_line(exc)
+
+
+COMPILE_MODES = ("auto", "kernels", "layers")
+
+
+def resolve_mode(adapter: Adapter, mode: str) -> str:
+    """``"auto"`` -> ``"kernels"`` when the model has quantized linears, else ``"layers"``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`COMPILE_MODES` (names ``compile``).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be True, False or one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    from .quantize import quantized_mode
+
+    return "kernels" if quantized_mode(adapter.model) is not None else "layers"
+
+
+def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True, mode: str = "layers") -> CompileReport:
+    """Compile the decode step of ``adapter``'s model.
+
+    Args:
+        adapter: the model's adapter.
+        backend: torch.compile backend of mode "layers" ("inductor"; "eager"/"aot_eager" for
+            debugging); mode "kernels" always uses inductor.
+        check: first test that inductor works here (:func:`compile_available`).
+        mode: "layers": ``adapter.run_layer`` uses a compiled layer call (and ``adapter.head`` a
+            compiled tail) for decode steps. "kernels": every quantized linear
+            (:mod:`skipdecode.quantize`) runs its decode-step product through a shared compiled
+            fused kernel; the rest stays eager (the faster choice on the test CPU, see
+            docs/quantization.md). "auto": kernels for a quantized model, else layers.
+
+    Returns:
+        A :class:`CompileReport`; ``enabled=False`` and ``error`` set when compilation is
+        unavailable (the model is then left eager).
+
+    Raises:
+        ValueError: unknown ``mode``; mode "kernels" on a model without quantized linears.
+    """
+    mode = resolve_mode(adapter, mode)
+    if mode == "kernels":
+        from .quantize import _QuantLinear
+
+        quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
+        if not quantized:
+            raise ValueError("compile mode 'kernels' needs quantized weights (quantize='int8' or 'int4')")
+    if check and (backend == "inductor" or mode == "kernels"):
+        ok, why = compile_available()
+        if not ok:
+            adapter.compiled_layer_call = None
+            return CompileReport(enabled=False, mode=mode, backend="inductor", error=why)
+    if mode == "kernels":
+        for m in quantized:
+            m.compiled_kernel = True
+        return CompileReport(enabled=True, mode="kernels", backend="inductor")
+    compiled = torch.compile(call_layer, backend=backend, dynamic=None)
+    limit = 2 * adapter.num_layers + 8
+    report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
+
+    def run(layer, hidden, attention_mask, cache, cache_kw, extra):
+        if not report.enabled:  # an earlier compile failed (layer or head): stay eager
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+        wrapped = None if cache is None else _EagerCacheWrite(cache)
+        # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
+        # contiguous so that strides never trigger a recompile
+        extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        lengths = None if cache is None else list(cache.lengths)
+        try:
+            with torch._dynamo.config.patch(
+                recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
+            ):
+                return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
+        except Exception as exc:  # compilation failed at run time: fall back for good
+            report.enabled = False
+            report.error = _one_line(exc)
+            adapter.compiled_layer_call = None
+            if lengths is not None:  # undo a cache write the failed call may have made
+                cache.lengths[:] = lengths
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+
+    adapter.compiled_layer_call = run
+    _compile_head(adapter, backend, report)
+    return report
+
+
+def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None:
+    """Compile the model's tail (final norm, projections, LM head) for one position per row.
+
+    Sets an instance attribute ``head`` that shadows the class method, so :func:`skip_forward`
+    (which calls ``adapter.head``) is unchanged; more than one position (teacher forcing, a
+    full-sequence prefill) runs the eager head.
+    """
+    eager_head = adapter.head
+    compiled = torch.compile(type(adapter).head, backend=backend, dynamic=None)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] != 1 or not report.enabled:
+            return eager_head(hidden)
+        try:
+            return compiled(adapter, hidden.contiguous())  # the prefill passes a strided last-position view
+        except Exception as exc:
+            report.enabled = False
+            report.error = _one_line(exc)
+            return eager_head(hidden)
+
+    adapter.head = head
+
+
+def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
+    """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
+
+    Each generation runs the prefill (eager) and ``new_tokens - 1`` decode steps at full depth
+    (every layer, so every layer's variant is compiled) with two different key lengths, which is
+    what makes key length symbolic. Adds the wall-clock seconds to ``report.compile_seconds``.
+
+    Args:
+        sk: a :class:`skipdecode.model.SkipModel` whose adapter went through :func:`compile_adapter`.
+        report: its report (updated in place and returned).
+        batch_sizes: batch sizes to compile for (sequences); later sizes reuse a symbolic batch.
+        new_tokens: tokens per warm-up generation (>= 3).
+
+    Raises:
+        ValueError: ``new_tokens`` < 3.
+    """
+    if new_tokens < 3:
+        raise ValueError(f"new_tokens must be >= 3, got {new_tokens}")
+    if not report.enabled:
+        return report
+    from .generate import generate
+
+    start = time.perf_counter()
+    for B in batch_sizes:
+        generate(sk.adapter, sk.tokenizer, ["Hello there, how are you?"] * B, max_new_tokens=new_tokens,
+                 eos_token_ids=[], chat=False)
+        report.warmed_batch_sizes.append(B)
+    report.compile_seconds += time.perf_counter() - start
+    if report.mode == "kernels":
+        from .quantize import kernel_error
+
+        if kernel_error():
+            report.enabled, report.error = False, kernel_error()
+    return report

@@ -1,0 +1,158 @@
+"""The compiled decode step (skipdecode.compiled): equal to eager, bounded variants, clean fallback.
+
+The fast tests use dynamo with the ``aot_eager`` backend (the same graph capture, graph break at
+the cache write and guards as inductor, without generating C++); the inductor tests compile real
+kernels (about 10-30 s each on this CPU) and are marked slow, except one float32 Llama check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skipdecode.compiled import CompileReport, compile_adapter, warm_up
+from skipdecode.generate import encode_prompts, generate_step
+from skipdecode.model import SkipModel
+from skipdecode.quantize import quantize_model
+
+from conftest import make_model
+
+PROMPTS = ["The Eagle is a", "Summarize the article. The quick brown fox"]
+
+
+def _run(sk, policy, new_tokens=8):
+    ids, mask = encode_prompts(sk.tokenizer, PROMPTS)
+    outs = list(generate_step(sk.adapter, ids, mask, policy=policy, max_new_tokens=new_tokens))
+    return torch.stack([o.logits for o in outs]), torch.stack([o.tokens for o in outs])
+
+
+def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5):
+    torch._dynamo.reset()
+    build = lambda: quantize_model(make_model(family), quantize) if quantize else make_model(family)  # noqa: E731
+    eager = SkipModel(build(), tokenizer)
+    compiled = SkipModel(build(), tokenizer)
+    report = compile_adapter(compiled.adapter, backend=backend)
+    assert report.enabled and report.error == ""
+    warm_up(compiled, report, (2,))
+    assert report.compile_seconds > 0 and report.warmed_batch_sizes == [2]
+    for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
+        le, te = _run(eager, policy)
+        lc, tc = _run(compiled, policy)
+        assert torch.equal(te, tc)
+        assert (le - lc).abs().max().item() <= atol
+    assert report.enabled, report.error  # no silent fallback happened
+    return report
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt_proj"])
+def test_compiled_equals_eager_aot(family, tokenizer):
+    _check_equal(family, tokenizer, "aot_eager")
+
+
+def test_compiled_inductor_equals_eager_llama(tokenizer):
+    _check_equal("llama", tokenizer, "inductor")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,quantize", [("gpt2", None), ("opt", None), ("llama", "int8"), ("qwen2", "int4")])
+def test_compiled_inductor_equals_eager_slow(family, quantize, tokenizer):
+    _check_equal(family, tokenizer, "inductor", quantize)
+
+
+def test_compiled_graphs_bounded_by_layers_not_policies(tokenizer):
+    """Many policies and steps do not add graphs: the count stays that of the warm-up."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=8), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (2,))
+    after_warm = counters["stats"]["unique_graphs"]
+    for s in (1.5, 2.0, 3.0, 4.0):
+        _run(sk, sk.policy_for(speedup=s, horizon=5), new_tokens=10)
+    assert counters["stats"]["unique_graphs"] == after_warm
+    assert after_warm <= 2 * 8 + 8 and report.enabled
+
+
+def test_compile_failure_falls_back_to_eager(tokenizer):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no C compiler here")
+
+    torch._dynamo.reset()
+    ref_logits, ref_tokens = _run(SkipModel(make_model("llama"), tokenizer), None)
+    sk = SkipModel(make_model("llama"), tokenizer)
+    report = compile_adapter(sk.adapter, backend=broken_backend)
+    logits, tokens = _run(sk, None)
+    assert not report.enabled and "no C compiler here" in report.error
+    assert torch.equal(tokens, ref_tokens) and torch.allclose(logits, ref_logits, atol=1e-6)
+    # the cache write of the failed call was undone: a second generation is still exact
+    logits2, _ = _run(sk, None)
+    assert torch.allclose(logits2, ref_logits, atol=1e-6)
+
+
+def test_compile_unavailable_reported(monkeypatch, tokenizer):
+    import skipdecode.compiled as C
+
+    monkeypatch.setattr(C, "compile_available", lambda: (False, "InvalidCxxCompiler: no working C++ compiler"))
+    sk = SkipModel(make_model("llama"), tokenizer)
+    report = compile_adapter(sk.adapter)
+    assert report == CompileReport(enabled=False, error="InvalidCxxCompiler: no working C++ compiler")
+    assert sk.adapter.compiled_layer_call is None
+    assert warm_up(sk, report).compile_seconds == 0.0
+
+
+def _kernels_equal(family, tokenizer, quantize):
+    eager = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
+    compiled = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
+    report = warm_up(compiled, compile_adapter(compiled.adapter, mode="auto"), (2,))
+    assert report.enabled and report.mode == "kernels", report.error
+    for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
+        le, te = _run(eager, policy)
+        lc, tc = _run(compiled, policy)
+        assert torch.equal(te, tc)
+        assert (le - lc).abs().max().item() <= 1e-5
+    assert report.enabled, report.error
+
+
+def test_compiled_kernels_int8_equal_eager(tokenizer):
+    """Mode "kernels": the fused int8 products (inductor) equal the eager int8 kernels to 1e-5."""
+    _kernels_equal("llama", tokenizer, "int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,quantize", [("gpt2", "int8"), ("opt_proj", "int4"), ("qwen2", "int4")])
+def test_compiled_kernels_equal_eager_slow(family, quantize, tokenizer):
+    _kernels_equal(family, tokenizer, quantize)
+
+
+def test_compile_mode_checks(tokenizer):
+    from skipdecode.compiled import resolve_mode
+
+    sk = SkipModel(make_model("llama"), tokenizer)
+    assert resolve_mode(sk.adapter, "auto") == "layers"
+    with pytest.raises(ValueError, match="compile must be True, False or one of auto, kernels, layers"):
+        resolve_mode(sk.adapter, "fast")
+    with pytest.raises(ValueError, match="needs quantized weights"):
+        compile_adapter(sk.adapter, mode="kernels")
+    from skipdecode.loading import LoadError, load
+
+    with pytest.raises(LoadError, match="compile='kernels' needs quantize"):
+        load("/nonexistent", compile="kernels")
+    with pytest.raises(LoadError, match="compile must be True, False or one of"):
+        load("/nonexistent", compile="fast")
+
+
+def test_compiled_kernel_failure_falls_back(monkeypatch, tokenizer):
+    import skipdecode.quantize as Q
+
+    def broken(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler")
+
+    monkeypatch.setitem(Q._KERNEL_STATE, "int8", broken)
+    monkeypatch.setitem(Q._KERNEL_STATE, "error", "")
+    ref = _run(SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer), None)
+    sk = SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, mode="kernels"), (1,))
+    assert not report.enabled and "no working C++ compiler" in report.error
+    logits, tokens = _run(sk, None)
+    assert torch.equal(tokens, ref[1]) and torch.allclose(logits, ref[0], atol=1e-6)
