@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]
     shipped = args.adapter is None
     report = {
-        "name": args.name, "command": "python benchmarks/adapter_agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "name": args.name, "command": " ".join(["python benchmarks/adapter_agreement.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": skipdecode.DEFAULT_MODEL, "num_layers": L, "horizon": horizon,
         "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)" if shipped else rel(adapter_path),
         "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(prompts),

