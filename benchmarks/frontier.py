@@ -194,7 +194,7 @@ class Runner:
                 return "done already", {}
             import skipdecode
 
-            skipdecode.load(self.args.model).save_pretrained(path)
+            skipdecode.load(self.args.model, adapter=False).save_pretrained(path)  # stock weights
             return "ok", {}
         self.step("base", save)
         return str(path)
@@ -223,7 +223,7 @@ class Runner:
 
         def calibrate():
             cfg = _train_config(self.args, todo[0], self.runs / "calibrate", self.args.epochs)  # 1x: the slowest
-            sps = seconds_per_step(lambda: skipdecode.load(base), self.data, cfg, steps=2)
+            sps = seconds_per_step(lambda: skipdecode.load(base, adapter=False), self.data, cfg, steps=2)
             steps_per_epoch = 0.95 * len(load_examples(self.data, task="e2e")) / self.args.batch_size
             left = self.deadline - time.time() - self.args.eval_reserve_minutes * 60
             affordable = left / (sps * len(todo) * steps_per_epoch * 1.15)  # 15 %: loading, validation, saving
@@ -256,7 +256,7 @@ class Runner:
             shutil.rmtree(run_dir, ignore_errors=True)
             # a run still going here would eat the evaluations' time: stop it (its model is lost)
             deadline = None if self.deadline is None else self.deadline - self.args.eval_reserve_minutes * 30
-            result = train(skipdecode.load(start), self.data, _train_config(self.args, entry, run_dir, self.log["epochs"]),
+            result = train(skipdecode.load(start, adapter=False), self.data, _train_config(self.args, entry, run_dir, self.log["epochs"]),
                            callback=deadline_callback(deadline))
             rec = result.to_dict()
             rec.update(out_dir=repo_relative(rec["out_dir"]), final_dir=repo_relative(rec["final_dir"]))

@@ -188,7 +188,7 @@ def _base(model: str, runs: Path) -> str:
     if not (path / "config.json").exists():
         import skipdecode
 
-        skipdecode.load(model).save_pretrained(path)
+        skipdecode.load(model, adapter=False).save_pretrained(path)  # stock weights
     return str(path)
 
 
@@ -205,7 +205,7 @@ def run_recipe(args: argparse.Namespace, name: str, split, runs: Path) -> dict:
         _die(f"recipe {name} needs {needed}, which is missing: rerun the 1x recipe (--recipes 1x)")
 
     def load():
-        return skipdecode.load(start)
+        return skipdecode.load(start, adapter=False)  # never a shipped skip adapter
 
     run_dir = runs / name
     shutil.rmtree(run_dir, ignore_errors=True)  # not in the table: an unfinished run, start it afresh

@@ -91,6 +91,8 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
            "--max-batch-size", str(args.max_batch_size), "--max-waiting", "4096"]
     if args.model:
         cmd += ["--model", args.model]
+    else:  # the stock weights: the shipped skip adapter would make its 2x schedule the default
+        cmd.append("--no-adapter")
     if serial:
         cmd.append("--serial")
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -112,7 +114,7 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
 
 async def one_request(client, prompt: str, max_tokens: int, speedup: float) -> tuple[float, float, int]:
     """(latency s, time to first token s, completion tokens) of one streamed request."""
-    extra = {} if speedup == 1 else {"speedup": speedup}
+    extra = {"speedup": speedup}  # always explicit: never the server's default policy
     t0 = time.perf_counter()
     first = None
     tokens = 0

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from skipdecode.jsonio import dumps  # strict JSON
+from skipdecode.paths import portable_record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = Path(args.out) if args.out else RESULTS / "train_throughput"
     stem.parent.mkdir(parents=True, exist_ok=True)
     try:
-        sk = skipdecode.load(args.model, device=args.device)
+        sk = skipdecode.load(args.model, device=args.device, adapter=False)  # train from the stock weights
         examples = load_examples(data, task=args.task)
         result = training_throughput(
             sk, examples, speedups=speedups, teacher_forcing=modes, prompt_grad=prompt_grad, lora_r=lora,
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                   machine={"python": platform.python_version(), "torch": torch.__version__,
                            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
                   json=rel(json_path), png=rel(png_path))
+    result = portable_record(result)  # repository/data-relative paths
     json_path.write_text(dumps(result, indent=2) + "\n")
     plot(result, png_path)
     _table(result)

@@ -86,7 +86,8 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     float16 are cast up first. Decoding afterwards costs exactly what the plain model costs.
 
     Returns:
-        The plain HF model with the adapter merged (same object type as ``hf_model``).
+        The plain HF model with the adapter merged (same object type as ``hf_model``), every
+        parameter trainable again as in a freshly loaded model (peft freezes the base weights).
 
     Raises:
         AdapterError: the folder is not a LoRA adapter, or its shapes do not fit the model.
@@ -101,7 +102,10 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     except (RuntimeError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AdapterError(f"adapter {path} does not fit this model: {first}") from None
-    return peft_model.merge_and_unload()
+    merged = peft_model.merge_and_unload()
+    for param in merged.parameters():  # peft froze the base weights; a plain model trains them all
+        param.requires_grad_(True)
+    return merged
 
 
 def _size_bytes(path: Path) -> int:

@@ -69,7 +69,7 @@ class _Run:
         else:
             from ..loading import load
 
-            self.sk = load(model)
+            self.sk = load(model, adapter=False)  # the stock weights, never a shipped skip adapter
         self.base_name = config.base_model or ck._base_model_name(self.sk, model)
         self.tokenizer = self.sk.tokenizer
         self.chat = self.sk.chat if config.chat is None else config.chat
@@ -463,7 +463,8 @@ def train(
 
     Args:
         model: a :class:`SkipModel`, or anything :func:`skipdecode.load` takes (None: the embedded
-            default). It is trained in place and moved to the run's device. With LoRA the adapter
+            default), loaded with ``adapter=False`` (the stock weights: a shipped skip adapter is
+            never the starting point of a new run). It is trained in place and moved to the run's device. With LoRA the adapter
             is injected into its layers (peft) and merged into the weights when the run ends, so
             the model is plain again; a run stopped early leaves the unmerged LoRA layers in it.
         data: a data file / dataset name for :func:`skipdecode.data.load_examples`, or a list of

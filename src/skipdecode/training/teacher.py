@@ -65,7 +65,7 @@ def load_teacher(spec: str, student: SkipModel, device: torch.device | str) -> A
     from ..loading import LoadError, load
 
     try:
-        teacher = load(spec)
+        teacher = load(spec, adapter=False)  # the stock full-depth weights
     except (LoadError, UnsupportedArchitectureError, OSError, ValueError) as err:
         first = (str(err).splitlines() or [""])[0][:300]
         raise TrainConfigError("teacher", f"cannot be loaded from {spec!r}: {first}") from None
