@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +57,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--name", default="server_load", help="results base name under --out")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="only redraw the PNG beside a saved result JSON, then exit")
     args = p.parse_args(argv)
     try:
         args.clients = [int(x) for x in args.clients.split(",")]
@@ -188,8 +192,43 @@ def targets(rows: list[dict]) -> dict:
     }
 
 
+def plot(result: dict, path: Path) -> Path:
+    """Requests/s and p50 latency (s) against concurrent clients, one line per (mode, speedup); PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rps, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+    keys = sorted({(r["mode"], r["speedup"]) for r in result["rows"]})
+    for mode, speedup in keys:
+        rows = sorted((r for r in result["rows"] if r["mode"] == mode and r["speedup"] == speedup),
+                      key=lambda r: r["clients"])
+        label = f"{'in flight' if mode == 'inflight' else 'one at a time'}, {speedup:g}x"
+        style = "-o" if mode == "inflight" else "--s"
+        ax_rps.plot([r["clients"] for r in rows], [r["requests_per_second"] for r in rows], style, label=label)
+        ax_lat.plot([r["clients"] for r in rows], [r["latency_p50"] for r in rows], style, label=label)
+    for ax, name in ((ax_rps, "requests/s"), (ax_lat, "p50 latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    ax_lat.set_yscale("log")
+    ax_rps.legend(fontsize=8)
+    fig.suptitle(f"skipdecode serve under load ({result['model']}, {result['device']}, "
+                 f"at most {result['max_tokens']} new tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
+    if args.replot is not None:  # redraw the PNG of a saved result
+        saved = json.loads(args.replot.read_text())
+        print(plot(saved, args.replot.with_suffix(".png")))
+        return
     texts = prompts()
     rows: list[dict] = []
     for mode in args.modes:
@@ -214,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         "results_file": os.path.relpath(path, ROOT),
     }
     path.write_text(dumps(result, indent=2) + "\n")
+    plot(result, path.with_suffix(".png"))
     print(table(rows))
     print(dumps(result))
 
