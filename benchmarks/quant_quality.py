@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
+from skipdecode.paths import portable_record
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
+    result = portable_record(result)  # repository/data-relative paths
     out.write_text(dumps(result, indent=2) + "\n")
     from rich.console import Console
     from rich.table import Table

@@ -62,6 +62,16 @@ def check_quantize_option(quantize) -> None:
         fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
 
 
+def check_output_folder(folder: Path, option: str) -> None:
+    """Exit 2 with one line naming ``option`` unless ``folder`` can receive files (checked before
+    any long work, so nothing is computed for an output that cannot be written)."""
+    from .paths import writable_dir_problem
+
+    problem = writable_dir_problem(folder)
+    if problem is not None:
+        fail(f"{option}: {problem}")
+
+
 def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):
     """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
 
@@ -319,6 +329,7 @@ def eval_command(
     except ValueError as e:
         fail(str(e))
     eval_task = task or detect_task(data)
+    check_output_folder(out_dir, "--out")
 
     def loader(spec):
         named = spec in ("stock", "default") and not Path(spec).exists()
@@ -503,6 +514,7 @@ def bench(
         prompts = tuple(line for line in prompts_file.read_text().splitlines() if line.strip())
         if not prompts:
             fail(f"--prompts-file {prompts_file} holds no prompt")
+    check_output_folder(output.parent, "--output")
     if device.startswith("cuda"):
         import torch
 

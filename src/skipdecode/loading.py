@@ -189,13 +189,11 @@ def load(
                     skip_config = json.loads((path / SKIP_CONFIG_NAME).read_text())
                 except json.JSONDecodeError as err:
                     raise LoadError(f"{path / SKIP_CONFIG_NAME} is not valid JSON: {err}") from None
+                if not isinstance(skip_config, dict):
+                    raise LoadError(f"{path / SKIP_CONFIG_NAME} must hold a JSON object, got "
+                                    f"{type(skip_config).__name__}")
             _check_weight_files(path)
-            if (path / "adapter_config.json").exists():
-                hf_model, tokenizer = _from_lora(path, skip_config, torch_dtype)
-            elif (path / "config.json").exists():
-                hf_model, tokenizer = _from_pretrained(str(path), torch_dtype)
-            else:
-                raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
+            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
             raise LoadError(f"model path {model} does not exist")
         else:
@@ -238,6 +236,26 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str) -> Ski
         mode = "auto" if compile is True else compile
         sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, mode=mode))
     return sk
+
+
+def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Model and tokenizer of a local checkpoint folder (plain HF checkpoint or LoRA adapter).
+
+    Raises:
+        LoadError: the folder is not a checkpoint, or transformers/peft cannot read one of its
+            files (a missing weights file, a broken config.json or tokenizer): one line naming
+            the folder and the library's first line."""
+    if not (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+        raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
+    try:
+        if (path / "adapter_config.json").exists():
+            return _from_lora(path, skip_config, dtype)
+        return _from_pretrained(str(path), dtype)
+    except LoadError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise LoadError(f"{path}: not a readable checkpoint ({type(err).__name__}: {first})") from None
 
 
 def _check_weight_files(path: Path) -> None:

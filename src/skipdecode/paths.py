@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,22 @@ def portable_record(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [portable_record(v) for v in obj]
     return obj
+
+
+def writable_dir_problem(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` cannot receive files, or None when it can (it is created if missing).
+
+    Checked before long work (training, evaluation, benchmarks) so that an unwritable output is
+    reported before anything runs, never after. Returns one line: the folder is a file, or
+    creating it / writing a probe file in it failed (with the OS reason)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        return f"{folder} cannot be written: {err.strerror or err}"
+    return None

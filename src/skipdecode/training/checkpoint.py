@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..model import SkipModel, write_json_atomic
+from ..paths import writable_dir_problem
 from .batching import _sha256_file
 from .config import RESUME_FIELDS, TrainConfig, TrainConfigError
 
@@ -54,15 +55,9 @@ def check_out_dir(out_dir: Path) -> None:
 
     Raises:
         TrainConfigError: (field ``out_dir``) it is a file, or it cannot be created or written."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise TrainConfigError("out_dir", f"{out_dir} is a file, not a folder")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out_dir)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as err:
-        raise TrainConfigError("out_dir", f"{out_dir} cannot be written: {err.strerror or err}") from None
+    problem = writable_dir_problem(out_dir)
+    if problem is not None:
+        raise TrainConfigError("out_dir", problem)
 
 
 def _write_checksums(ckpt: Path) -> None:

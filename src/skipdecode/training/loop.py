@@ -254,15 +254,20 @@ class _Run:
     # ---- validation ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Mean CE per response token on the validation set, per policy (all processes)."""
+        from tqdm.auto import tqdm
+
         acc, m = self.accelerator, self.unwrapped()
         m.eval()
         mine = self.val_items[self.rank::self.world]
         result = {}
+        size = self.config.batch_size
         with torch.no_grad():
             for label, policy in self.policies:
                 sums = torch.zeros(2, dtype=torch.float64, device=acc.device)
-                for start in range(0, len(mine), self.config.batch_size):
-                    batch, lm = self.batch_inputs(mine[start:start + self.config.batch_size], policy)
+                starts = range(0, len(mine), size)
+                for start in tqdm(starts, desc=f"validation ({label}x)", unit="batch", leave=False,
+                                  dynamic_ncols=True, disable=not (self.config.progress and self.main)):
+                    batch, lm = self.batch_inputs(mine[start:start + size], policy)
                     with acc.autocast():
                         ce, _ = m(batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens, lm)
                     sums += torch.tensor([float(ce), batch.n_targets], dtype=torch.float64, device=acc.device)
