@@ -81,3 +81,16 @@ def test_generate_with_an_unreadable_checkpoint_is_one_line(saved, tmp_path, dam
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and str(bad).replace(" ", "") in text
     assert len(res.output.strip().splitlines()) <= 3  # one message (rich may wrap a long line)
+
+
+def test_too_many_warmup_layers_names_warmup_layers_not_speedup(saved):
+    from skipdecode.policy import for_speedup
+    from skipdecode.protocol import _named
+
+    with pytest.raises(ValueError, match=r"^warmup_layers must be < num_layers \(4\)") as err:
+        for_speedup(NUM_LAYERS, 2.0, 8, warmup_layers=7)
+    assert _named(err.value, ("speedup", "warmup_layers"), "speedup").param == "warmup_layers"  # server's param
+    res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", "--speedup", "2",
+                      "--warmup-layers", "7"])
+    assert res.exit_code == 2, res.output
+    assert "warmup_layers" in text and "speedupmustbe" not in text

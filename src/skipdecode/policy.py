@@ -200,6 +200,10 @@ def for_speedup(
         raise ValueError(f"spread must be in [0, 1), got {spread!r}")
     if speedup == 1:
         return FullPolicy(num_layers)
+    _check_int("warmup_layers", warmup_layers, 0)
+    if warmup_layers >= num_layers:  # the field at fault, not the speedup it would constrain
+        raise ValueError(f"warmup_layers must be < num_layers ({num_layers}) to leave a layer to skip, "
+                         f"got {warmup_layers}")
     mean = num_layers / speedup
     floor = warmup_layers + 1
     if mean < floor:
