@@ -6,12 +6,10 @@ happen inside each command so ``--help`` is instant.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from .jsonio import dumps
@@ -22,128 +20,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
-
-
-def fail(message: str, code: int = 2) -> None:
-    """Print ``message`` as a clean error (no traceback) and exit with ``code``.
-
-    Raises:
-        typer.Exit: always, with ``code`` (2 for bad input, as the README says).
-    """
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # paths, MRs hold brackets
-    raise typer.Exit(code)
-
-
-def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
-    """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error."""
-    try:
-        if speedup is not None or any(v is not None for v in (max_layers, min_layers, warmup_layers, horizon)):
-            return model.policy_for(
-                speedup=speedup, horizon=horizon, max_layers=max_layers, min_layers=min_layers,
-                warmup_layers=warmup_layers,
-            )
-        return model.policy
-    except ValueError as e:
-        fail(str(e))
-
-
-QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
-COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
-                "call (compile time is reported separately; falls back to eager where unavailable).")
-
-
-def check_quantize_option(quantize) -> None:
-    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""
-    from .quantize import QUANTIZE_MODES
-
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
-
-
-def check_output_folder(folder: Path, option: str) -> None:
-    """Exit 2 with one line naming ``option`` unless ``folder`` can receive files (checked before
-    any long work, so nothing is computed for an output that cannot be written)."""
-    from .paths import writable_dir_problem
-
-    problem = writable_dir_problem(folder)
-    if problem is not None:
-        fail(f"{option}: {problem}")
-
-
-def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):
-    """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
-
-    ``quantize`` ("int8"/"int4"), ``compile`` and ``adapter`` (True: the shipped skip adapter, if
-    any; False: none) are passed to :func:`skipdecode.load`; with
-    ``compile``, the compile time (or why it fell back to eager) is printed to stderr.
-    """
-    import torch
-
-    check_quantize_option(quantize)
-
-    from .adapters import UnsupportedArchitectureError
-    from .loading import LoadError, load
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        fail(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: this torch build or machine has no CUDA GPU; use --device cpu")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        fail("--device mps: MPS is not available here; use --device cpu")
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        with err.status(f"loading {model_name or 'the embedded default model'} ..."):
-            sk = load(model_name, device=device, dtype=dtype, chat=chat, quantize=quantize, compile=compile,
-                      adapter=adapter)
-    except (LoadError, UnsupportedArchitectureError) as e:
-        fail(str(e))
-    report = sk.compile_report
-    if report is not None:
-        if report.enabled:
-            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s (first call, batch 1)",
-                      markup=False)
-        else:
-            err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
-    return sk
-
-
-def command_line(ctx: typer.Context) -> str:
-    """The running subcommand as a shell command rebuilt from its parsed parameters.
-
-    Rebuilt from click's context rather than ``sys.argv``, so it is right however the command was
-    invoked (console script, ``python -m``, tests); options left at their defaults are omitted.
-    """
-    parts = ["skipdecode", ctx.info_name or ""]
-    for param in ctx.command.params:
-        value = ctx.params.get(param.name)
-        if value is None or value == param.default or value in ([], ()):
-            continue
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if param.param_type_name == "argument":
-            parts += [str(v) for v in values]
-            continue
-        opt = max(param.opts, key=len)
-        if getattr(param, "is_flag", False):
-            if value:
-                parts.append(opt)
-            elif param.secondary_opts:
-                parts.append(max(param.secondary_opts, key=len))
-            continue
-        for v in values:
-            parts += [opt, str(v)]
-    return shlex.join(parts)
-
-
-MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
-NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the embedded SmolLM2-135M-Instruct "
-                   "has a 2x one, merged by default): run the stock weights.")
+from .cli_common import (  # noqa: E402  (shared with cli_bench)
+    COMPILE_HELP,
+    MODEL_HELP,
+    NO_ADAPTER_HELP,
+    QUANTIZE_HELP,
+    check_output_folder,
+    check_quantize_option,
+    command_line,
+    err,
+    fail,
+    load_model,
+    out,
+    resolve_policy,
+)
 
 
 @app.command()
@@ -461,178 +351,6 @@ def train(
     print(dumps(summary))
 
 
-@app.command()
-def bench(
-    ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes."),
-    speedups: str = typer.Option("2,3,5", "--speedups", help="Comma-separated target speedups (full depth is always run)."),
-    new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated per row in every run (equal lengths)."),
-    horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens)."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs per configuration (median reported)."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per configuration."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads (default: all cores)."),
-    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time Hugging Face generate on the same prompts."),
-    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Prompt pool, one per line (default: 32 built-in prompts)."),
-    output: Path = typer.Option(Path("skipdecode-bench/decode_speed.json"), "--output", "--out", "-o", help="Results JSON (a PNG plot is written beside it). benchmarks/decode_speed.py writes benchmarks/results/ instead."),
-    plot: bool = typer.Option(True, "--plot/--no-plot", help="Write the PNG plot beside the JSON."),
-    profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
-    profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
-    bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
-    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " Speed is the same either way (the adapter is merged)."),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
-    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
-    variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile (each row gets its memory floor)."),
-    llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add a batch-1 llama.cpp row decoding this GGUF file ('default': the embedded model's); needs the bench-llamacpp extra."),
-) -> None:
-    """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
-    import os
-
-    from . import bench as B
-
-    try:
-        sizes = B.parse_int_list(batch_sizes, "--batch-sizes")
-        targets = B.parse_float_list(speedups, "--speedups")
-        profile_sizes = B.parse_int_list(profile_batch_sizes, "--profile-batch-sizes")
-    except ValueError as e:
-        fail(str(e))
-    for name, value, low in (("--new-tokens", new_tokens, 2), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
-        if value < low:
-            fail(f"{name} must be >= {low}, got {value}")
-    if horizon is not None and horizon < 1:
-        fail(f"--horizon must be >= 1, got {horizon}")
-    if threads is not None and threads < 1:
-        fail(f"--threads must be >= 1, got {threads}")
-    if bandwidth_gbs <= 0:
-        fail(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
-    prompts = B.DEFAULT_PROMPTS
-    if prompts_file is not None:
-        if not prompts_file.exists():
-            fail(f"--prompts-file {prompts_file} does not exist")
-        prompts = tuple(line for line in prompts_file.read_text().splitlines() if line.strip())
-        if not prompts:
-            fail(f"--prompts-file {prompts_file} holds no prompt")
-    check_output_folder(output.parent, "--output")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            fail(f"--device {device}: CUDA is not available on this machine")
-    import torch
-
-    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
-    check_quantize_option(quantize)
-    if variants is not None and (quantize is not None or compile):
-        fail("give either --variants or --quantize/--compile, not both")
-    if profile and (variants is not None or quantize is not None or compile or llamacpp is not None):
-        fail("--profile breaks down the float32 eager step only; leave out --variants/--quantize/--compile/--llamacpp")
-    if variants is not None or quantize is not None or compile or llamacpp is not None:
-        from . import bench_engines as E
-
-        try:
-            variant_list = E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
-        except ValueError as e:
-            fail(str(e))
-        gguf = None
-        if llamacpp is not None:
-            from .loading import LoadError, embedded_gguf_path
-
-            try:
-                gguf = str(embedded_gguf_path()) if llamacpp == "default" else llamacpp
-            except LoadError as e:
-                fail(f"--llamacpp: {e}")
-            if not Path(gguf).is_file():
-                fail(f"--llamacpp {gguf}: no such GGUF file")
-            try:
-                import llama_cpp  # noqa: F401
-            except ImportError:
-                fail("--llamacpp needs llama-cpp-python: pip install -e '.[bench-llamacpp]'")
-        _bench_variants(ctx, model, device, dtype, not no_adapter, variant_list, gguf, output, plot, dict(
-            batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
-            warmup=warmup, include_hf=hf, prompts=prompts))
-        return
-    sk = load_model(model, device, dtype, adapter=not no_adapter)
-
-    def progress(msg: str) -> None:
-        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
-
-    try:
-        result = B.run_benchmark(
-            sk, batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
-            warmup=warmup, include_hf=hf, prompts=prompts, on_progress=progress,
-        )
-        if profile:
-            result["profile"] = B.profile_decode(
-                sk, batch_sizes=profile_sizes, speedups=targets[-1:] if targets else (), new_tokens=new_tokens,
-                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, predict_speedups=targets, prompts=prompts,
-                on_progress=progress,
-            )
-    except ValueError as e:
-        fail(str(e))
-    result["meta"]["command"] = command_line(ctx)
-    path = B.write_results(result, output)
-    if plot:
-        B.write_plot(result, path.with_suffix(".png"))
-    table_out = out if out.is_terminal else Console(width=200)
-    table_out.print(B.results_table(result))
-    if profile:
-        table_out.print(B.profile_table(result["profile"]))
-    t = result["targets"]
-    checked = sorted({int(k.split("/")[0]) for k in t["wall_over_theoretical"]})
-    wall_target = (f"wall/theoretical >= {t['wall_over_theoretical_min']} at batch "
-                   f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
-                   else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup)")
-    err.print(
-        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {escape(str(path))}[/]",
-        highlight=False,
-    )
-    print(dumps(result), flush=True)
-
-
-def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, output, plot, bench_kwargs) -> None:
-    """``skipdecode bench --variants/--quantize/--compile/--llamacpp``: table, files, JSON line."""
-    import torch
-
-    from . import bench as B
-    from . import bench_engines as E
-
-    sk = load_model(model, device, dtype, adapter=adapter)
-
-    def progress(msg: str) -> None:
-        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
-
-    try:
-        result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=progress)
-    except ValueError as e:
-        fail(str(e))
-    if gguf is not None:
-        progress("llama.cpp: batch 1, full depth")
-        prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
-        result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
-                                            bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
-    result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"))
-    result["meta"]["command"] = command_line(ctx)
-    result["meta"]["variants"] = [v[0] for v in variant_list]
-    path = B.write_results(result, output)
-    if plot:  # the speedup plot of the first variant (the others are in the table and JSON)
-        first = variant_list[0][0]
-        B.write_plot({**result, "rows": [r for r in result["rows"] if r.get("variant") == first]},
-                     path.with_suffix(".png"))
-    table_out = out if out.is_terminal else Console(width=220)
-    table_out.print(E.variants_table(result))
-    for name, v in result["variants"].items():
-        rb = v["resident_bytes"]
-        comp = v["compile_report"]
-        extra = "" if comp is None else (f" | compile {comp['compile_seconds']:.1f} s (batch 1 and 8, before timing)"
-                                         if comp["enabled"] else f" | compile unavailable: {comp['error']}")
-        err.print(f"{name}: resident weights {rb['total'] / 1e6:.0f} MB ({rb['quantized'] / 1e6:.0f} MB quantized){extra}",
-                  markup=False, highlight=False)
-    err.print(f"issue 11 targets: {dumps(result['issue_targets'])} | results: {path}", markup=False, highlight=False)
-    print(dumps(result), flush=True)
-
-
 def _check_can_listen(host: str, port: int) -> None:
     """Exit with a one-line error when ``host:port`` cannot be bound (port in use, bad host).
 
@@ -693,6 +411,11 @@ def serve(
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial)
     uvicorn.run(app_, host=host, port=port, log_level="info")
+
+
+from .cli_bench import bench  # noqa: E402  (the bench command lives in its own module)
+
+app.command()(bench)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

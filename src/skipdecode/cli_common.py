@@ -1,0 +1,135 @@
+"""What every ``skipdecode`` subcommand shares: the consoles, clean exits (:func:`fail`), policy
+and model loading from flags, the rebuilt command line and common help texts. Printing happens
+here and in the command modules only; the library never prints."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print ``message`` as a clean error (no traceback) and exit with ``code``.
+
+    Raises:
+        typer.Exit: always, with ``code`` (2 for bad input, as the README says).
+    """
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # paths, MRs hold brackets
+    raise typer.Exit(code)
+
+
+def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
+    """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error."""
+    try:
+        if speedup is not None or any(v is not None for v in (max_layers, min_layers, warmup_layers, horizon)):
+            return model.policy_for(
+                speedup=speedup, horizon=horizon, max_layers=max_layers, min_layers=min_layers,
+                warmup_layers=warmup_layers,
+            )
+        return model.policy
+    except ValueError as e:
+        fail(str(e))
+
+
+QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
+COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
+                "call (compile time is reported separately; falls back to eager where unavailable).")
+
+
+def check_quantize_option(quantize) -> None:
+    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""
+    from .quantize import QUANTIZE_MODES
+
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+
+
+def check_output_folder(folder: Path, option: str) -> None:
+    """Exit 2 with one line naming ``option`` unless ``folder`` can receive files (checked before
+    any long work, so nothing is computed for an output that cannot be written)."""
+    from .paths import writable_dir_problem
+
+    problem = writable_dir_problem(folder)
+    if problem is not None:
+        fail(f"{option}: {problem}")
+
+
+def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):
+    """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
+
+    ``quantize`` ("int8"/"int4"), ``compile`` and ``adapter`` (True: the shipped skip adapter, if
+    any; False: none) are passed to :func:`skipdecode.load`; with
+    ``compile``, the compile time (or why it fell back to eager) is printed to stderr.
+    """
+    import torch
+
+    check_quantize_option(quantize)
+
+    from .adapters import UnsupportedArchitectureError
+    from .loading import LoadError, load
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        fail(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: this torch build or machine has no CUDA GPU; use --device cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        fail("--device mps: MPS is not available here; use --device cpu")
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        with err.status(f"loading {model_name or 'the embedded default model'} ..."):
+            sk = load(model_name, device=device, dtype=dtype, chat=chat, quantize=quantize, compile=compile,
+                      adapter=adapter)
+    except (LoadError, UnsupportedArchitectureError) as e:
+        fail(str(e))
+    report = sk.compile_report
+    if report is not None:
+        if report.enabled:
+            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s (first call, batch 1)",
+                      markup=False)
+        else:
+            err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
+    return sk
+
+
+def command_line(ctx: typer.Context) -> str:
+    """The running subcommand as a shell command rebuilt from its parsed parameters.
+
+    Rebuilt from click's context rather than ``sys.argv``, so it is right however the command was
+    invoked (console script, ``python -m``, tests); options left at their defaults are omitted.
+    """
+    parts = ["skipdecode", ctx.info_name or ""]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or value in ([], ()):
+            continue
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if param.param_type_name == "argument":
+            parts += [str(v) for v in values]
+            continue
+        opt = max(param.opts, key=len)
+        if getattr(param, "is_flag", False):
+            if value:
+                parts.append(opt)
+            elif param.secondary_opts:
+                parts.append(max(param.secondary_opts, key=len))
+            continue
+        for v in values:
+            parts += [opt, str(v)]
+    return shlex.join(parts)
+
+
+MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
+NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the embedded SmolLM2-135M-Instruct "
+                   "has a 2x one, merged by default): run the stock weights.")
