@@ -82,6 +82,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deadline-minutes", type=float, default=None, help="stop everything by then")
     p.add_argument("--eval-reserve-minutes", type=float, default=3.0,
                    help="with a deadline: time kept for the evaluations")
+    p.add_argument("--checkpoint-every", type=int, default=40,
+                   help="checkpoint every N optimizer steps; a killed run resumes a model from its newest (0: restart it)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (models, steps) and exit")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -144,7 +146,8 @@ def _train_config(args: argparse.Namespace, entry: dict, run_dir: Path, epochs: 
         overrides = {k: v for k, v in overrides.items() if k not in ("kl_weight", "warmup_layers")}
     sched = {"speedup": entry["speedups"][0]} if len(entry["speedups"]) == 1 else {"speedups": tuple(entry["speedups"])}
     kw = dict(out_dir=str(run_dir), task="e2e", epochs=epochs, batch_size=args.batch_size, max_length=args.max_length,
-              lr=2e-4, val_fraction=0.05, max_val_examples=64, eval_every=0, checkpoint_every=0, chat=args.chat,
+              lr=2e-4, val_fraction=0.05, max_val_examples=64, eval_every=0, chat=args.chat,
+              checkpoint_every=args.checkpoint_every, save_total_limit=1, resume=args.checkpoint_every > 0,
               seed=args.seed, device=args.device, bf16=args.bf16, progress=not args.no_progress, **sched)
     kw.update(overrides)
     return TrainConfig(**kw)
@@ -163,6 +166,8 @@ class Runner:
         self.log = {"command": shlex.join(["python", "benchmarks/frontier.py", *sys.argv[1:]]),
                     "recipe": args.recipe, "epochs_planned": args.epochs, "epochs": args.epochs, "steps": []}
         self.models = plan(args)
+        if self.steps_path.exists():  # a resumed run keeps the earlier invocations' step log
+            self.log["steps"] = json.loads(self.steps_path.read_text()).get("steps", [])
 
     def step(self, name: str, fn) -> dict:
         """Run ``fn`` as the step ``name``, log its status and minutes; returns the log entry."""
@@ -208,6 +213,13 @@ class Runner:
                 self.log["epochs"] = json.loads(record.read_text())["config"]["epochs"]
                 self.log["epochs_from"] = m["label"]
                 return True
+        # a model stopped mid-way resumes from its checkpoint only with the epochs it started with
+        started = [m["label"] for m in self.models if any((self.runs / m["label"]).glob("checkpoint-*"))]
+        if started and self.steps_path.exists():
+            previous = json.loads(self.steps_path.read_text())
+            self.log["epochs"] = previous["epochs"]
+            self.log["epochs_from"] = f"{started[0]} (checkpoint of an earlier invocation)"
+            return True
         return False
 
     def fit_deadline(self, base: str) -> None:
@@ -251,15 +263,17 @@ class Runner:
                     return "skipped: the 1x model is missing", {}
                 if recipe.init == "1x":
                     start = str(self.runs / "1x" / "final")
-            import shutil
+            if self.args.checkpoint_every <= 0:  # no checkpoints to resume from: start clean
+                import shutil
 
-            shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.rmtree(run_dir, ignore_errors=True)
             # a run still going here would eat the evaluations' time: stop it (its model is lost)
             deadline = None if self.deadline is None else self.deadline - self.args.eval_reserve_minutes * 30
             result = train(skipdecode.load(start, adapter=False), self.data, _train_config(self.args, entry, run_dir, self.log["epochs"]),
                            callback=deadline_callback(deadline))
             rec = result.to_dict()
-            rec.update(out_dir=repo_relative(rec["out_dir"]), final_dir=repo_relative(rec["final_dir"]))
+            rec.update(out_dir=repo_relative(rec["out_dir"]), final_dir=repo_relative(rec["final_dir"]),
+                       resumed_from=rec["resumed_from"] and repo_relative(rec["resumed_from"]))
             rec["config"]["out_dir"] = repo_relative(rec["config"]["out_dir"])
             write_json_atomic(record_path, rec)
             return "ok", {"train_steps": result.steps, "examples": result.examples_seen,

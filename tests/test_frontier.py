@@ -66,10 +66,11 @@ def test_frontier_trains_equal_budgets_evaluates_and_resumes(tmp_path, tiny_dir,
     assert two["bleu_loss_vs_1x"] == pytest.approx(gaps["1x full"]["bleu"] - two["bleu"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["json"].endswith("fr_steps.json")
 
-    # a second run finds every step done
+    # a second run finds every step done (and keeps the first run's step log before its own)
     assert mod.main(args) == 0
     again = json.loads((out / "fr_steps.json").read_text())
-    assert [s["status"] for s in again["steps"]] == ["done already"] * 6
+    assert again["steps"][:6] == log["steps"]
+    assert [s["status"] for s in again["steps"][6:]] == ["done already"] * 6
 
     # a model retrained on resume sees the examples the others saw, whatever --epochs now says
     import shutil
@@ -78,9 +79,35 @@ def test_frontier_trains_equal_budgets_evaluates_and_resumes(tmp_path, tiny_dir,
     (out / "fr_eval_2x.json").unlink()
     assert mod.main(_args(tiny_dir, csvs, tmp_path, "--epochs", "3", "--name", "fr")) == 0
     third = json.loads((out / "fr_steps.json").read_text())
-    redo = next(s for s in third["steps"] if s["step"] == "train 2x")
+    redo = [s for s in third["steps"] if s["step"] == "train 2x"][-1]
     assert redo["status"] == "ok" and redo["examples"] == trained["train 1x"]["examples"]
     assert third["epochs"] == 0.5 and third["epochs_from"] == "1x"
+
+
+def test_frontier_resumes_a_model_stopped_mid_way_from_its_checkpoint(tmp_path, tiny_dir, csvs):
+    """A run killed inside a model's training resumes that model from its newest checkpoint, with
+    the epochs the first invocation chose (even if --epochs now says otherwise)."""
+    mod = load_script("frontier")
+    args = _args(tiny_dir, csvs, tmp_path, "--epochs", "0.5", "--name", "mid", "--speedups", "2", "--mixed", "",
+                 "--checkpoint-every", "2")
+    assert mod.main(args) == 0
+    out, run = tmp_path / "out", tmp_path / "runs" / "2x"
+    first = json.loads((out / "mid_train_2x.json").read_text())
+    assert first["steps"] >= 3 and first["steps"] % 2 == 1, "the test needs a checkpoint before the last step"
+    # as if killed after the last checkpoint: no final model, no record, no evaluation
+    import shutil
+
+    shutil.rmtree(run / "final")
+    (out / "mid_train_2x.json").unlink()
+    (out / "mid_eval_2x.json").unlink()
+    assert [p.name for p in run.glob("checkpoint-*")] == [f"checkpoint-{first['steps'] - 1:08d}"]
+    assert mod.main(_args(tiny_dir, csvs, tmp_path, "--epochs", "3", "--name", "mid", "--speedups", "2", "--mixed", "",
+                          "--checkpoint-every", "2")) == 0
+    second = json.loads((out / "mid_train_2x.json").read_text())
+    assert second["resumed_from"] and second["resumed_from"].endswith(f"checkpoint-{first['steps'] - 1:08d}")
+    assert second["steps"] == first["steps"] and second["examples_seen"] == first["examples_seen"]
+    log = json.loads((out / "mid_steps.json").read_text())
+    assert log["epochs"] == 0.5 and "checkpoint" in log["epochs_from"]
 
 
 def test_frontier_deadline_cuts_training_equally(tmp_path, tiny_dir, csvs):

@@ -141,6 +141,30 @@ def test_cli_info_generate_and_no_adapter(base_dir, shipped_for_tiny):
     assert on["texts"] != stock["texts"]
 
 
+def test_cli_generate_at_full_depth_runs_the_stock_weights(base_dir, shipped_for_tiny):
+    """The adapter is for skipping: ``--speedup 1`` (or bounds that keep every layer) gives the
+    stock model's answer, equal to ``--no-adapter``; with a skip policy the adapter stays merged."""
+    runner = CliRunner()
+    env = {"COLUMNS": "200"}
+
+    def run(*flags):
+        res = runner.invoke(app, ["generate", PROMPT, "--model", str(base_dir), "-n", "8", "--json", "--chat", *flags],
+                            env=env)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["texts"], res.stderr
+
+    stock, _ = run("--speedup", "1", "--no-adapter")
+    for flags in (["--speedup", "1"], ["--max-layers", str(NUM_LAYERS), "--min-layers", str(NUM_LAYERS)]):
+        texts, note = run(*flags)
+        assert texts == stock and "stock weights" in note
+    adapted_full = _greedy(load(str(base_dir)), FullPolicy(NUM_LAYERS), n=8)
+    assert adapted_full.texts[0] != stock[0]  # so the equality above is not a coincidence
+    skipping, note = run("--speedup", "1.5")
+    assert "stock weights" not in note
+    plain_skip, _ = run("--speedup", "1.5", "--no-adapter")
+    assert skipping != plain_skip
+
+
 def test_install_adapter_writes_float16_and_records(tmp_path, adapter_dir):
     from safetensors.torch import load_file
 

@@ -33,6 +33,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     load_model,
     out,
     resolve_policy,
+    stock_weights_at_full_depth,
 )
 
 
@@ -82,6 +83,7 @@ def generate(
         fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
     sk = load_model(model, device, dtype, chat, quantize, compile, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
+    sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, chat, quantize, compile))
     single = len(all_prompts) == 1
 
     from rich.console import Group

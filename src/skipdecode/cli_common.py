@@ -38,6 +38,27 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
         fail(str(e))
 
 
+def runs_every_layer(policy) -> bool:
+    """Whether ``policy`` runs all of the model's layers at every decode step (the 1x baseline:
+    a :class:`~skipdecode.policy.FullPolicy`, or a linear decay whose floor is every layer)."""
+    return policy.to_dict().get("type") == "full" or policy.min_layers == policy.num_layers
+
+
+def stock_weights_at_full_depth(sk, policy, model_args: tuple):
+    """The model to run ``policy`` with: ``sk``, or ``sk`` reloaded without its skip adapter when
+    the policy runs every layer (issue 12: the adapter is for skipping; at full depth it moves the
+    answers away from the stock model's, so ``--speedup 1`` gives the stock model, the reference).
+
+    ``model_args``: the :func:`load_model` arguments ``(model, device, dtype, chat, quantize, compile)``
+    that loaded ``sk``. A note goes to stderr when the weights change.
+    """
+    if not sk.skip_config.get("skip_adapter") or not runs_every_layer(policy):
+        return sk
+    err.print("full depth: running the stock weights (the skip adapter is for skipping; --no-adapter "
+              "always runs them)", markup=False)
+    return load_model(*model_args, adapter=False)
+
+
 QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
 COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable).")
