@@ -468,3 +468,38 @@ def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
                      "--name", "ab"]) == 0
     assert Report.load(tmp_path / "ab.json").row("tiny-llama", "2x").generations == whole.row("tiny-llama", "2x").generations
     assert mod.main([str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--concat", "--out", str(tmp_path)]) == 2
+
+
+def test_progress_counts_batches_of_every_model_and_draws_one_bar(sk, items_file, capsys):
+    """progress: a callable gets batches done after each batch, over all models (5 items at batch 2
+    = 3 batches a model); True draws one tqdm bar on stderr, labelled by model, nothing on stdout."""
+    items = load_eval_items(items_file)
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return sk
+
+    ticks = []
+    kw = dict(batch_size=2, max_new_tokens=2, stop=(), warmup=False)
+    evaluate({"a": sk, "b": loader}, items, ["full"], progress=ticks.append, **kw)
+    assert ticks == [1, 2, 3, 4, 5, 6] and loads == [1]  # the loader ran once, in its turn
+    capsys.readouterr()
+    evaluate(sk, items, ["full"], progress=True, **kw)
+    out, err = capsys.readouterr()
+    assert out == "" and "eval tiny-llama" in err and "3/3" in err
+
+
+def test_public_names_stay_importable_from_evaluate():
+    """Tests, the CLI and benchmarks import these from skipdecode.evaluate (the parts live in the
+    eval_* modules); each is the one object, not a copy."""
+    import skipdecode.evaluate as ev
+    from skipdecode import eval_join, eval_policies, eval_report, eval_tasks
+
+    for name in ev.__all__:
+        assert getattr(ev, name) is not None, name
+    assert ev.Report is eval_report.Report and ev.EvalRow is eval_report.EvalRow
+    assert ev.combine_reports is eval_join.combine_reports and ev.concat_reports is eval_join.concat_reports
+    assert ev.resolve_policy is eval_policies.resolve_policy and ev.TASKS is eval_tasks.TASKS
+    assert set(ev.__all__) >= {"TASKS", "TaskSpec", "PolicySpec", "EvalRow", "Report", "detect_task",
+                               "resolve_policy", "evaluate", "package_versions", "combine_reports", "concat_reports"}
