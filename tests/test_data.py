@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from skipdecode import data
+from skipdecode.data import hub
 from skipdecode.data import (
     DataError,
     EvalItem,
@@ -291,7 +291,7 @@ def test_relative_spec_resolved_under_data_dir(tmp_path, monkeypatch):
 
 
 def test_missing_spec_without_datasets(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "_datasets_available", lambda: False)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as ei:
         load_examples("no_such_dataset")
@@ -303,7 +303,7 @@ def test_missing_spec_without_datasets(monkeypatch, tmp_path):
 
 
 def test_missing_file_like_spec_never_goes_to_the_hub(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "_datasets_available", lambda: True)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=r"no_such_file\.jsonl: file does not exist$"):
         load_examples("no_such_file.jsonl")
@@ -319,7 +319,7 @@ def test_hub_spec_uses_datasets_when_available(monkeypatch, tmp_path):
                 {"meaning_representation": "name[B]", "human_reference": "B."}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    monkeypatch.setattr(data, "_datasets_available", lambda: True)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
     items = load_eval_items("e2e_nlg")
