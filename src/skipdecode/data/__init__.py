@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from .cnndm import read_cnndm, read_cnndm_pairs
 from .e2e import read_e2e_eval, read_e2e_pairs
-from .folder import default_data_dir
+from .folder import default_data_dir, shared_data_path
 from .horizon import median_response_tokens
 from .jsonl import read_jsonl_eval, read_jsonl_pairs
 from .load import load_eval_items, load_examples, select_items
@@ -57,6 +57,7 @@ __all__ = [
     "ReadResult",
     "TEMPLATES",
     "default_data_dir",
+    "shared_data_path",
     "format_prompt",
     "template_fields",
     "read_e2e_pairs",
