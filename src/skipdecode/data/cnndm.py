@@ -8,8 +8,7 @@ from typing import Any
 
 from .jsonl import _eval_converter, _pair_converter
 from .records import EvalItem, Example, ReadResult
-from .rows import _check_file, _convert, _iter_jsonl, _prompt_from_record, _references, _RowProblem, _Rows
-from .templates import _template
+from .rows import _prompt_from_record, _read_jsonl, _references, _RowProblem
 
 
 #: Keys accepted as the gold summary of a CNN/DM record, in order of preference.
@@ -54,10 +53,7 @@ def read_cnndm(path: str | os.PathLike, *, task: str = "cnndm",
     Raises:
         DataError: as :func:`read_jsonl_eval`.
     """
-    p = _check_file(path)
-    _template(task)
-    rows = _Rows(str(p), skip_bad_rows)
-    return rows.result(_convert(_iter_jsonl(p), rows, _cnndm_eval(task)), "records")
+    return _read_jsonl(path, task, skip_bad_rows, _cnndm_eval)
 
 
 def read_cnndm_pairs(path: str | os.PathLike, *, task: str = "cnndm",
@@ -67,8 +63,5 @@ def read_cnndm_pairs(path: str | os.PathLike, *, task: str = "cnndm",
     Raises:
         DataError: as :func:`read_jsonl_pairs`.
     """
-    p = _check_file(path)
-    _template(task)
-    rows = _Rows(str(p), skip_bad_rows)
-    return rows.result(_convert(_iter_jsonl(p), rows, _cnndm_pair(task)), "records")
+    return _read_jsonl(path, task, skip_bad_rows, _cnndm_pair)
 

@@ -5,10 +5,13 @@ aliases and the task a hub dataset's columns imply. Used only when ``datasets`` 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .records import DataError
+from .records import DataError, EvalItem, ReadResult
+from .rows import _convert, _field_str, _Rows
+from .templates import format_prompt
 
 
 def _datasets_available() -> bool:
@@ -66,3 +69,35 @@ def _hub_task(keys: set[str], task: str | None) -> str:
         return "e2e"
     return "plain"
 
+
+
+def _hub_source(spec: str, split: str, task: str | None, skip_bad_rows: bool
+                ) -> tuple[str, list[tuple[int, dict[str, Any]]], _Rows]:
+    """(task, normalised rows, bad-row collector) of the hub dataset ``spec``, split ``split``.
+
+    Raises:
+        DataError: as :func:`_hub_rows`.
+    """
+    label, rows = _hub_rows(spec, split)
+    rows = _hub_normalise(rows)
+    t = _hub_task(set(rows[0][1]) if rows else set(), task)
+    return t, rows, _Rows(label, skip_bad_rows, unit="row")
+
+
+def _hub_e2e_eval(rows: list[tuple[int, dict[str, Any]]], collector: _Rows, task: str) -> ReadResult:
+    """E2E-style hub rows (``mr``, ``ref``) grouped by MR into :class:`EvalItem` s, like the CSV
+    reader.
+
+    Raises:
+        DataError: no usable rows, or (unless skipping) the first row without ``mr``/``ref``.
+    """
+    def mr_ref(rec: Mapping[str, Any]) -> tuple[str, str]:
+        expected = ("mr", "ref")
+        return _field_str(rec, "mr", expected).strip(), _field_str(rec, "ref", expected)
+
+    groups: dict[str, list[str]] = {}
+    for mr, ref in _convert(rows, collector, mr_ref):
+        groups.setdefault(mr, []).append(ref)
+    items = [EvalItem(prompt=format_prompt(task, mr=mr), references=tuple(refs), source=mr)
+             for mr, refs in groups.items()]
+    return collector.result(items, "rows")

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .records import EvalItem, Example, ReadResult
-from .rows import _check_file, _convert, _field_str, _iter_jsonl, _prompt_from_record, _references, _Rows
-from .templates import _template, template_fields
+from .rows import _field_str, _prompt_from_record, _read_jsonl, _references
+from .templates import template_fields
 
 
 def _pair_converter(task: str, response_key: str = "response"):
@@ -42,10 +42,7 @@ def read_jsonl_pairs(path: str | os.PathLike, *, task: str = "plain",
         JSON, a non-object line, a missing key (lists keys found and expected), a non-string or
         empty value; the message names the file and line.
     """
-    p = _check_file(path)
-    _template(task)
-    rows = _Rows(str(p), skip_bad_rows)
-    return rows.result(_convert(_iter_jsonl(p), rows, _pair_converter(task)), "records")
+    return _read_jsonl(path, task, skip_bad_rows, _pair_converter)
 
 
 def read_jsonl_eval(path: str | os.PathLike, *, task: str = "plain",
@@ -59,8 +56,5 @@ def read_jsonl_eval(path: str | os.PathLike, *, task: str = "plain",
         DataError: as :func:`read_jsonl_pairs`; also a references list that is empty, holds a
         non-string, or holds only empty strings.
     """
-    p = _check_file(path)
-    _template(task)
-    rows = _Rows(str(p), skip_bad_rows)
-    return rows.result(_convert(_iter_jsonl(p), rows, _eval_converter(task)), "records")
+    return _read_jsonl(path, task, skip_bad_rows, _eval_converter)
 

@@ -5,18 +5,17 @@ and contents (or read a hub dataset), and :func:`select_items` takes a shard of 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .cnndm import _cnndm_eval, _cnndm_pair, read_cnndm, read_cnndm_pairs
 from .e2e import read_e2e_eval, read_e2e_pairs
 from .folder import default_data_dir
-from .hub import _hub_normalise, _hub_rows, _hub_task
+from .hub import _hub_e2e_eval, _hub_source
 from .jsonl import _eval_converter, _pair_converter, read_jsonl_eval, read_jsonl_pairs
-from .records import DataError, EvalItem, ReadResult
-from .rows import _convert, _field_str, _iter_jsonl, _Rows
-from .templates import format_prompt
+from .records import DataError, ReadResult
+from .rows import _convert, _iter_jsonl
 
 
 def _first_jsonl_keys(p: Path) -> set[str]:
@@ -39,6 +38,26 @@ def _resolve_file(spec: str | os.PathLike) -> Path | None:
     return None
 
 
+def _read_file(p: Path, task: str | None, skip_bad_rows: bool,
+               readers: tuple[Callable[..., ReadResult], ...]) -> ReadResult:
+    """Read an existing file with ``readers`` = (E2E CSV, CNN/DM JSONL, other JSONL), chosen by
+    the suffix and, for JSONL, by an ``article`` key in the first record.
+
+    Raises:
+        DataError: a suffix other than ``.csv``/``.jsonl``, or any reader error.
+    """
+    csv_reader, cnndm_reader, jsonl_reader = readers
+    suffix = p.suffix.lower()
+    if suffix == ".csv":
+        return csv_reader(p, task=task or "e2e", skip_bad_rows=skip_bad_rows)
+    if suffix == ".jsonl":
+        if "article" in _first_jsonl_keys(p):
+            return cnndm_reader(p, task=task or "cnndm", skip_bad_rows=skip_bad_rows)
+        return jsonl_reader(p, task=task or "plain", skip_bad_rows=skip_bad_rows)
+    raise DataError(f"unsupported file type {p.suffix!r}; expected .csv (E2E) or .jsonl",
+                    path=p)
+
+
 def load_examples(spec: str | os.PathLike, *, task: str | None = None, split: str = "train",
                   skip_bad_rows: bool = False) -> ReadResult:
     """Load training pairs from a file or a Hugging Face dataset name.
@@ -56,19 +75,8 @@ def load_examples(spec: str | os.PathLike, *, task: str | None = None, split: st
     """
     p = _resolve_file(spec)
     if p is not None:
-        suffix = p.suffix.lower()
-        if suffix == ".csv":
-            return read_e2e_pairs(p, task=task or "e2e", skip_bad_rows=skip_bad_rows)
-        if suffix == ".jsonl":
-            if "article" in _first_jsonl_keys(p):
-                return read_cnndm_pairs(p, task=task or "cnndm", skip_bad_rows=skip_bad_rows)
-            return read_jsonl_pairs(p, task=task or "plain", skip_bad_rows=skip_bad_rows)
-        raise DataError(f"unsupported file type {p.suffix!r}; expected .csv (E2E) or .jsonl",
-                        path=p)
-    label, rows = _hub_rows(str(spec), split)
-    rows = _hub_normalise(rows)
-    t = _hub_task(set(rows[0][1]) if rows else set(), task)
-    collector = _Rows(label, skip_bad_rows, unit="row")
+        return _read_file(p, task, skip_bad_rows, (read_e2e_pairs, read_cnndm_pairs, read_jsonl_pairs))
+    t, rows, collector = _hub_source(str(spec), split, task, skip_bad_rows)
     if t == "cnndm":
         conv = _cnndm_pair(t)
     elif t == "e2e":
@@ -93,34 +101,13 @@ def load_eval_items(spec: str | os.PathLike, *, task: str | None = None, split: 
     """
     p = _resolve_file(spec)
     if p is not None:
-        suffix = p.suffix.lower()
-        if suffix == ".csv":
-            return read_e2e_eval(p, task=task or "e2e", skip_bad_rows=skip_bad_rows)
-        if suffix == ".jsonl":
-            if "article" in _first_jsonl_keys(p):
-                return read_cnndm(p, task=task or "cnndm", skip_bad_rows=skip_bad_rows)
-            return read_jsonl_eval(p, task=task or "plain", skip_bad_rows=skip_bad_rows)
-        raise DataError(f"unsupported file type {p.suffix!r}; expected .csv (E2E) or .jsonl",
-                        path=p)
-    label, rows = _hub_rows(str(spec), split)
-    rows = _hub_normalise(rows)
-    t = _hub_task(set(rows[0][1]) if rows else set(), task)
-    collector = _Rows(label, skip_bad_rows, unit="row")
+        return _read_file(p, task, skip_bad_rows, (read_e2e_eval, read_cnndm, read_jsonl_eval))
+    t, rows, collector = _hub_source(str(spec), split, task, skip_bad_rows)
     if t == "cnndm":
         return collector.result(_convert(rows, collector, _cnndm_eval(t)), "rows")
     if t == "e2e":
-        def mr_ref(rec: Mapping[str, Any]) -> tuple[str, str]:
-            expected = ("mr", "ref")
-            return _field_str(rec, "mr", expected).strip(), _field_str(rec, "ref", expected)
-
-        groups: dict[str, list[str]] = {}
-        for mr, ref in _convert(rows, collector, mr_ref):
-            groups.setdefault(mr, []).append(ref)
-        items = [EvalItem(prompt=format_prompt(t, mr=mr), references=tuple(refs), source=mr)
-                 for mr, refs in groups.items()]
-        return collector.result(items, "rows")
+        return _hub_e2e_eval(rows, collector, t)
     return collector.result(_convert(rows, collector, _eval_converter(t)), "rows")
-
 
 
 def select_items(items: Sequence[Any], offset: int = 0, limit: int | None = None, source: str = "") -> list[Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .records import DataError, ReadResult
-from .templates import format_prompt, template_fields
+from .templates import _template, format_prompt, template_fields
 
 #: one logger for the whole data package (``skipdecode.data``), as before the split
 log = logging.getLogger(__package__)
@@ -202,3 +202,17 @@ def _convert(rows: Iterable[tuple[int, Any]], collector: _Rows,
             collector.bad(n, str(e))
     return out
 
+
+
+def _read_jsonl(path: str | os.PathLike, task: str, skip_bad_rows: bool,
+                converter: Callable[[str], Callable[[Mapping[str, Any]], Any]]) -> ReadResult:
+    """Read a JSONL file, one record per non-blank line, through ``converter(task)``.
+
+    Raises:
+        DataError: missing file, unknown task, no usable records, or (unless ``skip_bad_rows``)
+        the first bad line.
+    """
+    p = _check_file(path)
+    _template(task)
+    rows = _Rows(str(p), skip_bad_rows)
+    return rows.result(_convert(_iter_jsonl(p), rows, converter(task)), "records")
