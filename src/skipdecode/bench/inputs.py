@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from ..policy import FullPolicy, SkipPolicy
+
 DEFAULT_OUTPUT = Path("benchmarks") / "results" / "decode_speed.json"
 
 #: 32 real prompts of different lengths (a few words to a paragraph), so batches are left-padded.
@@ -109,3 +111,18 @@ def _policy_name(speedup: float | None) -> str:
     return f"{speedup:g}x"
 
 
+
+
+def bench_policies(sk, speedups: Sequence[float], horizon: int) -> list[tuple[str, float, SkipPolicy]]:
+    """``(name, target speedup, policy)`` of full depth and of each target in ``speedups``.
+
+    Full depth comes first (``("full", 1.0, FullPolicy(num_layers))``); each ``s`` gives
+    ``("{s:g}x", s, sk.policy_for(speedup=s, horizon=horizon))`` (``horizon`` in tokens).
+
+    Raises:
+        ValueError: a speedup the model's layers cannot reach (from ``SkipModel.policy_for``).
+    """
+    policies: list[tuple[str, float, SkipPolicy]] = [("full", 1.0, FullPolicy(sk.num_layers))]
+    for s in speedups:
+        policies.append((_policy_name(s), float(s), sk.policy_for(speedup=float(s), horizon=horizon)))
+    return policies

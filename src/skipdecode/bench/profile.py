@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..generate import encode_prompts, generate_step
-from ..policy import FullPolicy, SkipPolicy, theoretical_speedup
+from ..policy import SkipPolicy, theoretical_speedup
 from .clock import _Clock, _device, _instrumented, _sync, _TimedAdapter
-from .inputs import DEFAULT_PROMPTS, _policy_name, batch_prompts
+from .inputs import DEFAULT_PROMPTS, _policy_name, batch_prompts, bench_policies
 
 
 def weight_bytes(sk) -> dict[str, int]:
@@ -99,9 +99,7 @@ def profile_decode(
     device = _device(sk)
     L = sk.num_layers
     wb = weight_bytes(sk)
-    full_bytes = sum(wb["layer"]) + wb["head"]
-    policies: list[tuple[str, SkipPolicy]] = [("full", FullPolicy(L))]
-    policies += [(_policy_name(s), sk.policy_for(speedup=float(s), horizon=horizon)) for s in speedups]
+    policies = [(name, policy) for name, _, policy in bench_policies(sk, speedups, horizon)]
     pad = sk.tokenizer.pad_token_id if sk.tokenizer.pad_token_id is not None else 0
     rows = []
     for B in batch_sizes:
@@ -111,80 +109,117 @@ def profile_decode(
             progress(f"profile: batch {B} {name}")
             per_run: list[dict[str, Any]] = []
             for r in range(repeats + 1):  # run 0 is a warm-up
-                clock = _Clock(device)
-                adapter = _TimedAdapter(sk.adapter, clock)
-                sums: dict[str, float] = defaultdict(float)
-                layer_sums: dict[int, float] = defaultdict(float)
-                layer_counts: dict[int, int] = defaultdict(int)
-                total = 0.0
-                steps = 0
-                layers_run: list[int] = []
-                with _instrumented(clock), torch.inference_mode():
-                    gen = generate_step(
-                        adapter, input_ids, attention_mask, policy=policy, max_new_tokens=new_tokens,
-                        eos_token_ids=(), pad_token_id=pad,
-                    )
-                    _sync(device)
-                    last = time.perf_counter()
-                    for out in gen:
-                        _sync(device)
-                        now = time.perf_counter()
-                        if out.step >= 1:
-                            steps += 1
-                            total += now - last
-                            layers_run.append(len(out.active_layers))
-                            for k, v in clock.parts.items():
-                                sums[k] += v
-                            for k, v in clock.layers.items():
-                                layer_sums[k] += v
-                                layer_counts[k] += 1
-                        clock.reset()
-                        last = time.perf_counter()
-                if r == 0:
-                    continue
-                layers_ms = sum(layer_sums.values()) / steps * 1e3
-                parts = {k: sums.get(k, 0.0) / steps * 1e3 for k in PROFILE_PARTS}
-                parts["decoder layers"] = layers_ms
-                step_ms = total / steps * 1e3
-                parts["other (loop, cache bookkeeping, python)"] = step_ms - sum(
-                    v for k, v in parts.items() if not k.startswith("other")
-                )
-                per_run.append(
-                    {
-                        "step_ms": step_ms,
-                        "parts": parts,
-                        "layer_ms": {k: layer_sums[k] / layer_counts[k] * 1e3 for k in layer_sums},
-                        "layers_run": layers_run,
-                    }
-                )
-            med = lambda key: statistics.median(x[key] for x in per_run)  # noqa: E731
-            parts = {k: statistics.median(x["parts"][k] for x in per_run) for k in PROFILE_PARTS}
-            layer_keys = sorted(per_run[0]["layer_ms"])
-            layer_ms = {str(k): statistics.median(x["layer_ms"][k] for x in per_run) for k in layer_keys}
-            layers_run = per_run[0]["layers_run"]
-            mean_layers = sum(layers_run) / len(layers_run)
-            mean_layer_bytes = sum(wb["layer"]) / L
-            step_bytes = mean_layers * mean_layer_bytes + wb["head"] + B * wb["embedding_row"]
-            step_ms = med("step_ms")
-            rows.append(
-                {
-                    "batch_size": B,
-                    "policy": name,
-                    "mean_active_layers": mean_layers,
-                    "theoretical_speedup": theoretical_speedup(L, layers_run),
-                    "step_ms": step_ms,
-                    "parts_ms": parts,
-                    "parts_share": {k: v / step_ms for k, v in parts.items()},
-                    "per_layer_ms": layer_ms,
-                    "mean_layer_ms": parts["decoder layers"] / mean_layers,
-                    "weight_bytes_per_step": step_bytes,
-                    "floor_ms": step_bytes / (bandwidth_gbs * 1e9) * 1e3,
-                    "head_share_of_bytes": wb["head"] / step_bytes,
-                    "bytes_speedup_bound": (full_bytes + B * wb["embedding_row"]) / step_bytes,
-                    "achieved_gbs": step_bytes / (step_ms * 1e-3) / 1e9,
-                }
-            )
-    # measured wall speedups and the bound implied by the measured fixed (non-layer) cost
+                raw = _timed_steps(sk, input_ids, attention_mask, policy, new_tokens, pad, device)
+                if r > 0:
+                    per_run.append(_run_summary(*raw))
+            rows.append(_profile_row(B, name, per_run, wb, L, bandwidth_gbs))
+    _add_speedups(rows)
+    return {
+        "predictions": _predictions(sk, rows, predict_speedups, horizon, new_tokens, wb),
+        "bandwidth_gbs": bandwidth_gbs,
+        "weights": {
+            "layer_bytes_mean": sum(wb["layer"]) / L,
+            "layers_bytes_total": sum(wb["layer"]),
+            "head_bytes": wb["head"],
+            "num_layers": L,
+            "dtype": str(next(sk.model.parameters()).dtype).replace("torch.", ""),
+        },
+        "rows": rows,
+    }
+
+
+def _timed_steps(sk, input_ids: torch.Tensor, attention_mask: torch.Tensor, policy: SkipPolicy,
+                 new_tokens: int, pad: int, device: torch.device):
+    """One instrumented run of the engine's loop (``input_ids``, ``attention_mask``: ``[B, S]``).
+
+    Returns ``(sums, layer_sums, layer_counts, total, steps, layers_run)`` over the decode steps
+    t >= 1: seconds per named part and per layer index, the number of steps each layer ran, the
+    total step seconds, the step count and the active layers of each step.
+    """
+    clock = _Clock(device)
+    adapter = _TimedAdapter(sk.adapter, clock)
+    sums: dict[str, float] = defaultdict(float)
+    layer_sums: dict[int, float] = defaultdict(float)
+    layer_counts: dict[int, int] = defaultdict(int)
+    total = 0.0
+    steps = 0
+    layers_run: list[int] = []
+    with _instrumented(clock), torch.inference_mode():
+        gen = generate_step(
+            adapter, input_ids, attention_mask, policy=policy, max_new_tokens=new_tokens,
+            eos_token_ids=(), pad_token_id=pad,
+        )
+        _sync(device)
+        last = time.perf_counter()
+        for out in gen:
+            _sync(device)
+            now = time.perf_counter()
+            if out.step >= 1:
+                steps += 1
+                total += now - last
+                layers_run.append(len(out.active_layers))
+                for k, v in clock.parts.items():
+                    sums[k] += v
+                for k, v in clock.layers.items():
+                    layer_sums[k] += v
+                    layer_counts[k] += 1
+            clock.reset()
+            last = time.perf_counter()
+    return sums, layer_sums, layer_counts, total, steps, layers_run
+
+
+def _run_summary(sums, layer_sums, layer_counts, total, steps, layers_run) -> dict[str, Any]:
+    """Mean ms per decode step of each part (and of each layer) of one :func:`_timed_steps` run."""
+    layers_ms = sum(layer_sums.values()) / steps * 1e3
+    parts = {k: sums.get(k, 0.0) / steps * 1e3 for k in PROFILE_PARTS}
+    parts["decoder layers"] = layers_ms
+    step_ms = total / steps * 1e3
+    parts["other (loop, cache bookkeeping, python)"] = step_ms - sum(
+        v for k, v in parts.items() if not k.startswith("other")
+    )
+    return {
+        "step_ms": step_ms,
+        "parts": parts,
+        "layer_ms": {k: layer_sums[k] / layer_counts[k] * 1e3 for k in layer_sums},
+        "layers_run": layers_run,
+    }
+
+
+def _profile_row(B: int, name: str, per_run: list[dict[str, Any]], wb: dict[str, Any], L: int,
+                 bandwidth_gbs: float) -> dict[str, Any]:
+    """The row of batch size ``B`` and policy ``name``: medians over ``per_run`` (ms), the weight
+    bytes a step reads (``wb``: :func:`weight_bytes`) and the floor at ``bandwidth_gbs`` GB/s."""
+    full_bytes = sum(wb["layer"]) + wb["head"]
+    med = lambda key: statistics.median(x[key] for x in per_run)  # noqa: E731
+    parts = {k: statistics.median(x["parts"][k] for x in per_run) for k in PROFILE_PARTS}
+    layer_keys = sorted(per_run[0]["layer_ms"])
+    layer_ms = {str(k): statistics.median(x["layer_ms"][k] for x in per_run) for k in layer_keys}
+    layers_run = per_run[0]["layers_run"]
+    mean_layers = sum(layers_run) / len(layers_run)
+    mean_layer_bytes = sum(wb["layer"]) / L
+    step_bytes = mean_layers * mean_layer_bytes + wb["head"] + B * wb["embedding_row"]
+    step_ms = med("step_ms")
+    return {
+        "batch_size": B,
+        "policy": name,
+        "mean_active_layers": mean_layers,
+        "theoretical_speedup": theoretical_speedup(L, layers_run),
+        "step_ms": step_ms,
+        "parts_ms": parts,
+        "parts_share": {k: v / step_ms for k, v in parts.items()},
+        "per_layer_ms": layer_ms,
+        "mean_layer_ms": parts["decoder layers"] / mean_layers,
+        "weight_bytes_per_step": step_bytes,
+        "floor_ms": step_bytes / (bandwidth_gbs * 1e9) * 1e3,
+        "head_share_of_bytes": wb["head"] / step_bytes,
+        "bytes_speedup_bound": (full_bytes + B * wb["embedding_row"]) / step_bytes,
+        "achieved_gbs": step_bytes / (step_ms * 1e-3) / 1e9,
+    }
+
+
+def _add_speedups(rows: list[dict[str, Any]]) -> None:
+    """Add to every row its measured wall speedup against the same batch size's full depth, its
+    fixed (non-layer) ms and share, and the Amdahl bound those imply (in place)."""
     for row in rows:
         full = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["policy"] == "full")
         row["wall_speedup"] = full["step_ms"] / row["step_ms"]
@@ -195,6 +230,14 @@ def profile_decode(
         row["amdahl_speedup"] = full["step_ms"] / (
             full["fixed_ms"] + layer_full * row["mean_active_layers"] / full["mean_active_layers"]
         )
+
+
+def _predictions(sk, rows: list[dict[str, Any]], predict_speedups: Sequence[float], horizon: int,
+                 new_tokens: int, wb: dict[str, Any]) -> list[dict[str, Any]]:
+    """Amdahl and weight-bytes predictions of each ``predict_speedups`` policy from every
+    full-depth row (see :func:`profile_decode`)."""
+    L = sk.num_layers
+    full_bytes = sum(wb["layer"]) + wb["head"]
     predictions = []
     for full in (r for r in rows if r["policy"] == "full"):
         for target in predict_speedups:
@@ -216,16 +259,4 @@ def profile_decode(
                     "bytes_ratio": full_bytes / step_bytes / theo,
                 }
             )
-    return {
-        "predictions": predictions,
-        "bandwidth_gbs": bandwidth_gbs,
-        "weights": {
-            "layer_bytes_mean": sum(wb["layer"]) / L,
-            "layers_bytes_total": sum(wb["layer"]),
-            "head_bytes": wb["head"],
-            "num_layers": L,
-            "dtype": str(next(sk.model.parameters()).dtype).replace("torch.", ""),
-        },
-        "rows": rows,
-    }
-
+    return predictions

@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..generate import encode_prompts, generate
-from ..policy import FullPolicy, SkipPolicy, theoretical_speedup
+from ..policy import SkipPolicy, theoretical_speedup
 from .clock import _device, _per_step, _sync
-from .inputs import DEFAULT_PROMPTS, _policy_name, batch_prompts
+from .inputs import DEFAULT_PROMPTS, batch_prompts, bench_policies
 
 
 def _run_ours(sk, prompts: list[str], policy: SkipPolicy, new_tokens: int) -> dict[str, Any]:
@@ -151,24 +151,12 @@ def run_benchmark(
     Raises:
         ValueError: bad arguments (names the field), or a speedup too large for the model.
     """
-    for name, value, low in (("new_tokens", new_tokens, 2), ("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not batch_sizes:
-        raise ValueError("batch_sizes must not be empty")
+    _check_counts(new_tokens, repeats, warmup, batch_sizes)
     horizon = new_tokens if horizon is None else horizon
     progress = on_progress or (lambda msg: None)
     device = _device(sk)
-    L = sk.num_layers
-    policies: list[tuple[str, float, SkipPolicy]] = [("full", 1.0, FullPolicy(L))]
-    for s in speedups:
-        policies.append((_policy_name(s), float(s), sk.policy_for(speedup=float(s), horizon=horizon)))
-    eos_ids: set[int] = set()
-    for source in (getattr(sk.tokenizer, "eos_token_id", None), getattr(sk.model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            eos_ids.add(source)
-        elif source:
-            eos_ids.update(int(x) for x in source)
+    policies = bench_policies(sk, speedups, horizon)
+    eos_ids = _eos_ids(sk)
 
     rows: list[dict[str, Any]] = []
     for B in batch_sizes:
@@ -179,80 +167,118 @@ def run_benchmark(
         ]
         if include_hf:
             configs.append(("hf", lambda: _run_hf(sk, input_ids, attention_mask, new_tokens)))
-        for w in range(warmup):
-            for name, fn in configs:
-                progress(f"batch {B}: warm-up {w + 1}/{warmup} {name}")
-                fn()
-        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for r in range(repeats):
-            for name, fn in configs:
-                progress(f"batch {B}: repeat {r + 1}/{repeats} {name}")
-                runs[name].append(fn())
-
-        full_ms = statistics.median(x["step_s"] for x in runs["full"]) * 1e3
-        hf_ms = statistics.median(x["step_s"] for x in runs["hf"]) * 1e3 if include_hf else None
-        prompt_tokens = int(attention_mask.sum())
-        for name, target, policy in policies:
-            rs = runs[name]
-            step_ms = statistics.median(x["step_s"] for x in rs) * 1e3
-            layers_run = rs[0]["layers_run"]
-            theo = theoretical_speedup(L, layers_run)
-            wall = full_ms / step_ms
-            row = {
-                "batch_size": B,
-                "engine": "skipdecode",
-                "policy": name,
-                "target_speedup": target,
-                "policy_config": policy.to_dict(),
-                "num_layers": L,
-                "decode_steps": rs[0]["decode_steps"],
-                "layers_run": layers_run,
-                "mean_active_layers": sum(layers_run) / len(layers_run),
-                "theoretical_speedup": theo,
-                "step_ms": step_ms,
-                "step_ms_runs": [x["step_s"] * 1e3 for x in rs],
-                "engine_step_ms": statistics.median(x["engine_step_s"] for x in rs) * 1e3,
-                "ttft_ms": statistics.median(x["prefill_s"] for x in rs) * 1e3,
-                "tokens_per_s": B * 1e3 / step_ms,
-                "wall_speedup": wall,
-                "wall_over_theoretical": wall / theo,
-                "hf_step_ms": hf_ms,
-                "full_vs_hf": (hf_ms / step_ms) if (include_hf and name == "full") else None,
-                "prompt_tokens": prompt_tokens,
-            }
-            if include_hf and name == "full":
-                row["tokens_match_hf"] = _tokens_agree(rs[0]["token_ids"], runs["hf"][0]["token_ids"], eos_ids)
-            rows.append(row)
-        if include_hf:
-            rs = runs["hf"]
-            step_ms = hf_ms
-            rows.append(
-                {
-                    "batch_size": B,
-                    "engine": "hf",
-                    "policy": "hf-generate",
-                    "target_speedup": 1.0,
-                    "policy_config": {"type": "full", "num_layers": L},
-                    "num_layers": L,
-                    "decode_steps": rs[0]["decode_steps"],
-                    "layers_run": [L] * rs[0]["decode_steps"],
-                    "mean_active_layers": float(L),
-                    "theoretical_speedup": 1.0,
-                    "step_ms": step_ms,
-                    "step_ms_runs": [x["step_s"] * 1e3 for x in rs],
-                    "engine_step_ms": None,
-                    "ttft_ms": statistics.median(x["prefill_s"] for x in rs) * 1e3,
-                    "tokens_per_s": B * 1e3 / step_ms,
-                    "wall_speedup": full_ms / step_ms,
-                    "wall_over_theoretical": full_ms / step_ms,
-                    "hf_step_ms": hf_ms,
-                    "full_vs_hf": None,
-                    "prompt_tokens": prompt_tokens,
-                }
-            )
+        runs = _interleaved_runs(configs, B, warmup, repeats, progress)
+        rows += _batch_rows(B, policies, runs, sk.num_layers, include_hf, int(attention_mask.sum()), eos_ids)
 
     return {"meta": _meta(sk, batch_sizes, speedups, new_tokens, horizon, repeats, warmup, include_hf),
             "rows": rows, "targets": _targets(rows)}
+
+
+def _check_counts(new_tokens: int, repeats: int, warmup: int, batch_sizes: Sequence[int]) -> None:
+    """Raises ValueError naming the field: ``new_tokens`` < 2, ``repeats`` < 1, ``warmup`` < 0
+    (or not integers), or no batch size."""
+    for name, value, low in (("new_tokens", new_tokens, 2), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not batch_sizes:
+        raise ValueError("batch_sizes must not be empty")
+
+
+def _eos_ids(sk) -> set[int]:
+    """Every EOS id of the tokenizer and of the model's generation config."""
+    eos_ids: set[int] = set()
+    for source in (getattr(sk.tokenizer, "eos_token_id", None), getattr(sk.model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos_ids.add(source)
+        elif source:
+            eos_ids.update(int(x) for x in source)
+    return eos_ids
+
+
+def _interleaved_runs(configs: list[tuple[str, Callable[[], dict[str, Any]]]], B: int, warmup: int,
+                      repeats: int, progress: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+    """``warmup`` untimed rounds, then ``repeats`` timed rounds of every configuration in turn
+    (repeat r of each before repeat r+1); returns each configuration's timed runs by name."""
+    for w in range(warmup):
+        for name, fn in configs:
+            progress(f"batch {B}: warm-up {w + 1}/{warmup} {name}")
+            fn()
+    runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in range(repeats):
+        for name, fn in configs:
+            progress(f"batch {B}: repeat {r + 1}/{repeats} {name}")
+            runs[name].append(fn())
+    return runs
+
+
+def _batch_rows(B: int, policies: list[tuple[str, float, SkipPolicy]], runs: dict[str, list[dict[str, Any]]],
+                L: int, include_hf: bool, prompt_tokens: int, eos_ids: set[int]) -> list[dict[str, Any]]:
+    """The rows of batch size ``B``: one per policy, then HF ``generate``'s (``include_hf``)."""
+    full_ms = statistics.median(x["step_s"] for x in runs["full"]) * 1e3
+    hf_ms = statistics.median(x["step_s"] for x in runs["hf"]) * 1e3 if include_hf else None
+    rows = []
+    for name, target, policy in policies:
+        rs = runs[name]
+        step_ms = statistics.median(x["step_s"] for x in rs) * 1e3
+        layers_run = rs[0]["layers_run"]
+        theo = theoretical_speedup(L, layers_run)
+        wall = full_ms / step_ms
+        row = {
+            "batch_size": B,
+            "engine": "skipdecode",
+            "policy": name,
+            "target_speedup": target,
+            "policy_config": policy.to_dict(),
+            "num_layers": L,
+            "decode_steps": rs[0]["decode_steps"],
+            "layers_run": layers_run,
+            "mean_active_layers": sum(layers_run) / len(layers_run),
+            "theoretical_speedup": theo,
+            "step_ms": step_ms,
+            "step_ms_runs": [x["step_s"] * 1e3 for x in rs],
+            "engine_step_ms": statistics.median(x["engine_step_s"] for x in rs) * 1e3,
+            "ttft_ms": statistics.median(x["prefill_s"] for x in rs) * 1e3,
+            "tokens_per_s": B * 1e3 / step_ms,
+            "wall_speedup": wall,
+            "wall_over_theoretical": wall / theo,
+            "hf_step_ms": hf_ms,
+            "full_vs_hf": (hf_ms / step_ms) if (include_hf and name == "full") else None,
+            "prompt_tokens": prompt_tokens,
+        }
+        if include_hf and name == "full":
+            row["tokens_match_hf"] = _tokens_agree(rs[0]["token_ids"], runs["hf"][0]["token_ids"], eos_ids)
+        rows.append(row)
+    if include_hf:
+        rows.append(_hf_row(B, runs["hf"], L, full_ms, hf_ms, prompt_tokens))
+    return rows
+
+
+def _hf_row(B: int, rs: list[dict[str, Any]], L: int, full_ms: float, hf_ms: float,
+            prompt_tokens: int) -> dict[str, Any]:
+    """The row of HF ``generate`` at batch size ``B`` (full depth; ms against our full depth)."""
+    step_ms = hf_ms
+    return {
+        "batch_size": B,
+        "engine": "hf",
+        "policy": "hf-generate",
+        "target_speedup": 1.0,
+        "policy_config": {"type": "full", "num_layers": L},
+        "num_layers": L,
+        "decode_steps": rs[0]["decode_steps"],
+        "layers_run": [L] * rs[0]["decode_steps"],
+        "mean_active_layers": float(L),
+        "theoretical_speedup": 1.0,
+        "step_ms": step_ms,
+        "step_ms_runs": [x["step_s"] * 1e3 for x in rs],
+        "engine_step_ms": None,
+        "ttft_ms": statistics.median(x["prefill_s"] for x in rs) * 1e3,
+        "tokens_per_s": B * 1e3 / step_ms,
+        "wall_speedup": full_ms / step_ms,
+        "wall_over_theoretical": full_ms / step_ms,
+        "hf_step_ms": hf_ms,
+        "full_vs_hf": None,
+        "prompt_tokens": prompt_tokens,
+    }
 
 
 def _meta(sk, batch_sizes, speedups, new_tokens, horizon, repeats, warmup, include_hf) -> dict[str, Any]:
