@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    train_rows, held_rows = adapter_prompts.build_or_exit(args.data)
-    problems = adapter_prompts.check_manifest(train_rows, held_rows)
-    if problems:
-        print("prompt set differs from the manifest:", *problems, sep="\n  ", file=sys.stderr)
-        return 1
+    train_rows, held_rows = adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
     if args.limit:
         held_rows = held_rows[: args.limit]
     prompts = [r["prompt"] for r in held_rows]

@@ -161,16 +161,23 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def build_or_exit(data_dir: str | Path | None) -> tuple[list[dict], list[dict]]:
+def build_or_exit(data_dir: str | Path | None, mismatch: str | None = None) -> tuple[list[dict], list[dict]]:
     """:func:`build` for the scripts' ``--data`` option: a missing data folder or file is a one-line
-    error on stderr and exit status 2 (``SystemExit``), not a traceback."""
+    error on stderr and exit status 2 (``SystemExit``), not a traceback. With ``mismatch``, a prompt
+    set that differs from the committed manifest is fatal too: ``mismatch`` and each problem on
+    stderr, exit status 1."""
     from skipdecode.data import DataError
 
     try:
-        return build(data_dir)
+        train, heldout = build(data_dir)
     except (DataError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    problems = check_manifest(train, heldout) if mismatch else []
+    if problems:
+        print(mismatch, *problems, sep="\n  ", file=sys.stderr)
+        raise SystemExit(1)
+    return train, heldout
 
 
 def main() -> int:

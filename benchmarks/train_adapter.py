@@ -126,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0
 
-    train_rows, heldout_rows = adapter_prompts.build_or_exit(args.data)
-    problems = adapter_prompts.check_manifest(train_rows, heldout_rows)
-    if problems:
-        print("prompt set differs from benchmarks/adapter_prompts/manifest.json:", *problems, sep="\n  ", file=sys.stderr)
-        return 1
+    train_rows, heldout_rows = adapter_prompts.build_or_exit(
+        args.data, mismatch="prompt set differs from benchmarks/adapter_prompts/manifest.json:")
     if args.limit_prompts:
         train_rows = train_rows[: args.limit_prompts]
     held = {r["prompt"] for r in heldout_rows}

@@ -83,3 +83,15 @@ def test_cli_eval_default_data_missing_names_option_and_folder(tmp_path, monkeyp
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "no--datagiven" in text and "".join(str(tmp_path).split()) in text
     assert "e2e/testset_w_refs.csv" in text
+
+
+def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch, capsys):
+    script = load_script("adapter_prompts")
+    rows = ([{"id": "own-x", "source": "own", "category": "x", "prompt": "not in the manifest"}], [])
+    monkeypatch.setattr(script, "build", lambda data_dir=None: rows)
+    assert script.build_or_exit("given") == rows  # no manifest check without a message
+    with pytest.raises(SystemExit) as info:
+        script.build_or_exit("given", mismatch="prompt set differs:")
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("prompt set differs:\n  train: ") and "differ from the manifest" in err
