@@ -17,18 +17,20 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
-def results_table(result: dict[str, Any]):
-    """A ``rich.table.Table`` of the benchmark rows (the CLI prints it)."""
+def _table(title: str):
+    """An empty ``rich.table.Table`` titled ``title`` (left-justified)."""
     from rich.table import Table
 
+    return Table(title=title, title_justify="left")
+
+
+def results_table(result: dict[str, Any]):
+    """A ``rich.table.Table`` of the benchmark rows (the CLI prints it)."""
     meta = result["meta"]
-    table = Table(
-        title=(
-            f"decode speed: {meta['model'].split(' (')[0]} | {meta['device']} {meta['dtype']} | {meta['threads']} threads | "
-            f"{meta['new_tokens']} new tokens ({meta['decode_steps']} decode steps), horizon {meta['horizon']}, "
-            f"median of {meta['repeats']}"
-        ),
-        title_justify="left",
+    table = _table(
+        f"decode speed: {meta['model'].split(' (')[0]} | {meta['device']} {meta['dtype']} | {meta['threads']} threads | "
+        f"{meta['new_tokens']} new tokens ({meta['decode_steps']} decode steps), horizon {meta['horizon']}, "
+        f"median of {meta['repeats']}"
     )
     for col, justify in (
         ("batch", "right"), ("policy", "left"), ("mean layers", "right"), ("theoretical", "right"),
@@ -63,16 +65,11 @@ def results_table(result: dict[str, Any]):
 
 def profile_table(profile: dict[str, Any]):
     """A ``rich.table.Table`` of :func:`profile_decode`'s breakdown (ms per decode step)."""
-    from rich.table import Table
-
     w = profile["weights"]
-    table = Table(
-        title=(
-            f"decode step profile (ms per step, share) | layer {w['layer_bytes_mean'] / 1e6:.1f} MB x "
-            f"{w['num_layers']}, LM head + norm {w['head_bytes'] / 1e6:.1f} MB ({w['dtype']}) | floor at "
-            f"{profile['bandwidth_gbs']:g} GB/s"
-        ),
-        title_justify="left",
+    table = _table(
+        f"decode step profile (ms per step, share) | layer {w['layer_bytes_mean'] / 1e6:.1f} MB x "
+        f"{w['num_layers']}, LM head + norm {w['head_bytes'] / 1e6:.1f} MB ({w['dtype']}) | floor at "
+        f"{profile['bandwidth_gbs']:g} GB/s"
     )
     table.add_column("part")
     for r in profile["rows"]:
