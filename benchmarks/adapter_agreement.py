@@ -123,18 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import skipdecode
-    from skipdecode.data import default_data_dir
     from skipdecode.policy import FullPolicy, for_speedup
     from skipdecode.skip_adapter import shipped_adapter_for
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    data_dir = Path(args.data) if args.data else Path(default_data_dir())
-    train_rows, held_rows = adapter_prompts.build(data_dir)
-    problems = adapter_prompts.check_manifest(train_rows, held_rows)
-    if problems:
-        print("prompt set differs from the manifest:", *problems, sep="\n  ", file=sys.stderr)
-        return 1
+    train_rows, held_rows = adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
     if args.limit:
         held_rows = held_rows[: args.limit]
     prompts = [r["prompt"] for r in held_rows]

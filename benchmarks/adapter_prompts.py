@@ -93,17 +93,21 @@ def _e2e(data_dir: Path, rng: random.Random) -> list[dict]:
              "prompt": f"Write one sentence describing this restaurant.\n{mrs[i]}"} for i in picked]
 
 
-def build(data_dir: str | Path) -> tuple[list[dict], list[dict]]:
+def build(data_dir: str | Path | None = None) -> tuple[list[dict], list[dict]]:
     """(train, heldout) prompt rows, ``{"id", "source", "category", "prompt"}`` each.
 
     The held-out split takes ``HELDOUT_SHARE`` of every (source, category) stratum (at least one
     prompt of each stratum with 5 or more), seeded, so it covers every kind of prompt; the README
-    run command's two prompts (``ALWAYS_HELDOUT``) are held out too.
+    run command's two prompts (``ALWAYS_HELDOUT``) are held out too. ``data_dir`` (the ``--data``
+    option) defaults to the shared data folder.
 
     Raises:
         FileNotFoundError: a data file is missing under ``data_dir``.
+        skipdecode.data.DataError: no ``data_dir`` given and no shared data folder found.
     """
-    data_dir = Path(data_dir)
+    from skipdecode.data import shared_data_path
+
+    data_dir = Path(shared_data_path(data_dir))
     rng = random.Random(SEED)
     rows = _own() + _spec_bench(data_dir, rng) + _e2e(data_dir, rng)
     strata: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -157,16 +161,32 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             fh.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def main() -> int:
-    from skipdecode.data import default_data_dir
+def build_or_exit(data_dir: str | Path | None, mismatch: str | None = None) -> tuple[list[dict], list[dict]]:
+    """:func:`build` for the scripts' ``--data`` option: a missing data folder or file is a one-line
+    error on stderr and exit status 2 (``SystemExit``), not a traceback. With ``mismatch``, a prompt
+    set that differs from the committed manifest is fatal too: ``mismatch`` and each problem on
+    stderr, exit status 1."""
+    from skipdecode.data import DataError
 
+    try:
+        train, heldout = build(data_dir)
+    except (DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    problems = check_manifest(train, heldout) if mismatch else []
+    if problems:
+        print(mismatch, *problems, sep="\n  ", file=sys.stderr)
+        raise SystemExit(1)
+    return train, heldout
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=None, help="data folder (default: ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--out", default=str(REPO / "runs" / "adapter-prompts"))
     ap.add_argument("--write-manifest", action="store_true", help="rewrite the committed manifest")
     args = ap.parse_args()
-    data_dir = Path(args.data) if args.data else Path(default_data_dir())
-    train, heldout = build(data_dir)
+    train, heldout = build_or_exit(args.data)
     if args.write_manifest:
         MANIFEST.write_text(json.dumps(manifest(train, heldout), indent=1) + "\n")
     problems = check_manifest(train, heldout)

@@ -1,4 +1,4 @@
-"""Decode-speed benchmark of SkipDecode (same as ``skipdecode bench``; see src/skipdecode/bench.py).
+"""Decode-speed benchmark of SkipDecode (same as ``skipdecode bench``; see src/skipdecode/bench/).
 
 On the embedded default model (SmolLM2-135M-Instruct, 30 layers, float32, CPU), in ONE run:
 per-step decode time and tokens/s at each batch size for full depth and the 2x, 3x and 5x

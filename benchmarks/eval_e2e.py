@@ -111,17 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         _die("nothing to evaluate: give --ckpt and/or drop --no-stock")
 
     from skipdecode import load
-    from skipdecode.data import DataError, default_data_dir, load_eval_items, select_items
+    from skipdecode.data import DataError, load_eval_items, select_items, shared_data_path
     from skipdecode.evaluate import evaluate
     from skipdecode.loading import LoadError
 
-    data = args.data
-    if data is None:
-        root = default_data_dir()
-        if root is None:
-            _die("no shared data folder found; set SKIPDECODE_DATA or pass --data")
-        data = str(root / DATA[args.task])
     try:
+        data = shared_data_path(args.data, DATA[args.task])
         items = list(load_eval_items(data, task=args.task))
     except DataError as e:
         _die(str(e))

@@ -348,14 +348,13 @@ class Runner:
 
 
 def _data_paths(args: argparse.Namespace) -> tuple[str, str]:
-    from skipdecode.data import default_data_dir
+    from skipdecode.data import DataError, shared_data_path
 
-    root = default_data_dir()
-    data = args.data or (str(root / "e2e" / "devset.csv") if root else None)
-    test = args.test_data or (str(root / "e2e" / "testset_w_refs.csv") if root else None)
-    if data is None or test is None:
-        _die("no shared data folder found; pass --data and --test-data (or set SKIPDECODE_DATA)")
-    return data, test
+    try:
+        return (shared_data_path(args.data, "e2e/devset.csv"),
+                shared_data_path(args.test_data, "e2e/testset_w_refs.csv", option="--test-data"))
+    except DataError as e:
+        _die(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,20 +95,15 @@ def main(argv: list[str] | None = None) -> dict:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     import torch
 
-    from skipdecode.data import DataError, default_data_dir, load_eval_items, select_items
+    from skipdecode.data import DataError, load_eval_items, select_items, shared_data_path
     from skipdecode.evaluate import TASKS
     from skipdecode.loading import DEFAULT_MODEL, LoadError, load
     from skipdecode.metrics import corpus_bleu
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    data = args.data
-    if data is None:
-        root = default_data_dir()
-        if root is None:
-            _fail("no --data and no shared data folder (set SKIPDECODE_DATA or pass --data)")
-        data = str(root / "e2e" / "testset_w_refs.csv")
     try:
+        data = shared_data_path(args.data, "e2e/testset_w_refs.csv")
         items = select_items(load_eval_items(data, task="e2e"), 0, args.limit, data)
     except (DataError, ValueError) as e:
         _fail(str(e))

@@ -301,14 +301,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from skipdecode.data import DataError, default_data_dir, load_examples
+    from skipdecode.data import DataError, load_examples, shared_data_path
     from skipdecode.loading import LoadError
     from skipdecode.train import TrainConfigError
 
-    data = args.data or (str(default_data_dir() / "e2e" / "devset.csv") if default_data_dir() else None)
-    if data is None:
-        _die("no shared data folder found; pass --data PATH (or set SKIPDECODE_DATA)")
     try:
+        data = shared_data_path(args.data, "e2e/devset.csv")
         split = split_by_mr(load_examples(data, task="e2e"), args.heldout_mrs, args.seed)
     except (DataError, ValueError) as e:
         _die(str(e))

@@ -74,11 +74,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def prompts() -> list[str]:
     """E2E test prompts (eval template) from the shared data folder, else the built-in MRs."""
     try:
-        from skipdecode.data import default_data_dir, load_eval_items
+        from skipdecode.data import load_eval_items, shared_data_path
 
-        root = default_data_dir()
-        if root is not None:
-            return [it.prompt for it in load_eval_items(str(root / "e2e" / "testset_w_refs.csv"), task="e2e")]
+        return [it.prompt for it in load_eval_items(shared_data_path(None, "e2e/testset_w_refs.csv"), task="e2e")]
     except Exception:  # noqa: BLE001 - any data problem: fall back to built-in prompts
         pass
     from skipdecode.data import TEMPLATES

@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from skipdecode.data import default_data_dir
     from skipdecode.train import TrainConfig, train
 
     if args.threads:
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = json.loads(meta_path.read_text())
         if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
             record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
-            train_rows, heldout_rows = adapter_prompts.build(Path(args.data) if args.data else Path(default_data_dir()))
+            train_rows, heldout_rows = adapter_prompts.build_or_exit(args.data)
             meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
                                               record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
             meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
@@ -127,12 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0
 
-    data_dir = Path(args.data) if args.data else Path(default_data_dir())
-    train_rows, heldout_rows = adapter_prompts.build(data_dir)
-    problems = adapter_prompts.check_manifest(train_rows, heldout_rows)
-    if problems:
-        print("prompt set differs from benchmarks/adapter_prompts/manifest.json:", *problems, sep="\n  ", file=sys.stderr)
-        return 1
+    train_rows, heldout_rows = adapter_prompts.build_or_exit(
+        args.data, mismatch="prompt set differs from benchmarks/adapter_prompts/manifest.json:")
     if args.limit_prompts:
         train_rows = train_rows[: args.limit_prompts]
     held = {r["prompt"] for r in heldout_rows}

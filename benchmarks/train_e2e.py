@@ -173,18 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     import skipdecode
-    from skipdecode.data import DataError, default_data_dir, load_examples
+    from skipdecode.data import DataError, load_examples, shared_data_path
     from skipdecode.paths import portable_record
     from skipdecode.train import TrainConfig, TrainConfigError, measure_throughput, train
     from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
 
-    data = args.data
-    if data is None:
-        root = default_data_dir()
-        if root is None:
-            print("error: no shared data folder found; pass --data PATH (or set SKIPDECODE_DATA)", file=sys.stderr)
-            return 2
-        data = str(root / "e2e" / "devset.csv")
+    try:
+        data = shared_data_path(args.data, "e2e/devset.csv")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     RESULTS.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/train_e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)

@@ -128,16 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     import skipdecode
-    from skipdecode.data import DataError, default_data_dir, load_examples
+    from skipdecode.data import DataError, load_examples, shared_data_path
     from skipdecode.training.throughput import training_throughput
 
-    data = args.data
-    if data is None:
-        root = default_data_dir()
-        if root is None:
-            print("error: no shared data folder found; pass --data PATH (or set SKIPDECODE_DATA)", file=sys.stderr)
-            return 2
-        data = str(root / "e2e" / "devset.csv")
+    try:
+        data = shared_data_path(args.data, "e2e/devset.csv")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stem = Path(args.out) if args.out else RESULTS / "train_throughput"
     stem.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from skipdecode import data
+from skipdecode.data import hub
 from skipdecode.data import (
     DataError,
     EvalItem,
@@ -26,6 +26,7 @@ from skipdecode.data import (
     read_e2e_pairs,
     read_jsonl_eval,
     read_jsonl_pairs,
+    shared_data_path,
 )
 
 
@@ -291,7 +292,7 @@ def test_relative_spec_resolved_under_data_dir(tmp_path, monkeypatch):
 
 
 def test_missing_spec_without_datasets(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "_datasets_available", lambda: False)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: False)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as ei:
         load_examples("no_such_dataset")
@@ -303,7 +304,7 @@ def test_missing_spec_without_datasets(monkeypatch, tmp_path):
 
 
 def test_missing_file_like_spec_never_goes_to_the_hub(monkeypatch, tmp_path):
-    monkeypatch.setattr(data, "_datasets_available", lambda: True)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=r"no_such_file\.jsonl: file does not exist$"):
         load_examples("no_such_file.jsonl")
@@ -319,7 +320,7 @@ def test_hub_spec_uses_datasets_when_available(monkeypatch, tmp_path):
                 {"meaning_representation": "name[B]", "human_reference": "B."}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    monkeypatch.setattr(data, "_datasets_available", lambda: True)
+    monkeypatch.setattr(hub, "_datasets_available", lambda: True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
     items = load_eval_items("e2e_nlg")
@@ -341,6 +342,47 @@ def test_default_data_dir(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path / "repo")
     assert default_data_dir() == (tmp_path / "shared" / "data").resolve()
 
+
+
+def test_shared_data_path_returns_a_given_value_unchanged(monkeypatch, tmp_path):
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path / "absent"))  # never consulted
+    assert shared_data_path("mine/train.jsonl", "e2e/devset.csv") == "mine/train.jsonl"
+    assert shared_data_path(tmp_path / "x.csv", "e2e/devset.csv") == str(tmp_path / "x.csv")
+    assert shared_data_path("org/hub-dataset", "e2e/devset.csv") == "org/hub-dataset"
+
+
+def test_shared_data_path_default_lies_under_the_shared_folder(monkeypatch, tmp_path):
+    (tmp_path / "e2e").mkdir()
+    write(tmp_path / "e2e" / "devset.csv", E2E_CSV)
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
+    assert shared_data_path(None, "e2e/devset.csv") == str(tmp_path / "e2e" / "devset.csv")
+    assert shared_data_path("", "e2e/devset.csv") == str(tmp_path / "e2e" / "devset.csv")  # "": not given
+    assert shared_data_path(None) == str(tmp_path)  # no relative path: the folder itself
+
+
+def test_shared_data_path_missing_default_names_option_folder_and_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
+    with pytest.raises(DataError) as ei:
+        shared_data_path(None, "e2e/testset_w_refs.csv", option="--test-data")
+    msg = str(ei.value)
+    assert "\n" not in msg and "--test-data" in msg and str(tmp_path) in msg
+    assert "e2e/testset_w_refs.csv" in msg and "SKIPDECODE_DATA" in msg
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path / "absent"))
+    with pytest.raises(DataError, match=r"no --data given and the shared data folder .*absent.* does not exist"):
+        shared_data_path(None)
+
+
+def test_shared_data_path_without_any_folder_names_the_option_and_places(monkeypatch, tmp_path):
+    from skipdecode.data import folder
+
+    monkeypatch.delenv("SKIPDECODE_DATA", raising=False)
+    monkeypatch.setattr(folder, "default_data_dir", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as ei:
+        shared_data_path(None, "e2e/devset.csv")
+    msg = str(ei.value)
+    assert "no --data given" in msg and "e2e/devset.csv" in msg and "SKIPDECODE_DATA is not set" in msg
+    assert str(tmp_path.parent / "shared" / "data") in msg  # the folder it looked in
 
 # ---------------------------------------------------------------- horizon helper
 

@@ -196,7 +196,7 @@ def run_variants(
     Raises:
         ValueError: as :func:`run_benchmark`.
     """
-    from .bench import _targets, batch_prompts, run_benchmark
+    from .bench import batch_prompts, run_benchmark
     from .generate import encode_prompts
 
     progress = on_progress or (lambda msg: None)

@@ -191,7 +191,7 @@ def eval_command(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
-    from .data import DataError, default_data_dir, load_eval_items, select_items
+    from .data import DataError, load_eval_items, select_items, shared_data_path
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
 
@@ -204,13 +204,8 @@ def eval_command(
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if task is not None and task not in TASKS:
         fail(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    if data is None:
-        root = default_data_dir()
-        if root is None:
-            fail("no --data given and no shared data folder found for the default E2E test set "
-                 "(set SKIPDECODE_DATA or pass --data FILE)")
-        data = str(root / "e2e" / "testset_w_refs.csv")
     try:
+        data = shared_data_path(data, "e2e/testset_w_refs.csv")
         items = load_eval_items(data, task=task, skip_bad_rows=skip_bad_rows)
     except (DataError, ValueError) as e:
         fail(str(e))

@@ -1,0 +1,97 @@
+"""The benchmark scripts' default data (``skipdecode.data.shared_data_path``): without ``--data``
+and with a shared data folder that lacks the default file, every script that reads data stops with
+exit status 2 and one line naming the option, the folder and the file (no traceback, nothing
+loaded); ``server_load.py`` falls back to its built-in prompts. No model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_recipe_study import load_script, write_e2e_csv
+
+# (script, extra arguments, option named, default file inside the shared data folder)
+FILE_SCRIPTS = [
+    ("eval_e2e", [], "--data", "e2e/testset_w_refs.csv"),
+    ("quant_quality", ["--ckpt", "stock"], "--data", "e2e/testset_w_refs.csv"),
+    ("recipe_study", [], "--data", "e2e/devset.csv"),
+    ("train_e2e", [], "--data", "e2e/devset.csv"),
+    ("train_throughput", [], "--data", "e2e/devset.csv"),
+    ("frontier", ["--data", "given-dev.csv"], "--test-data", "e2e/testset_w_refs.csv"),
+]
+
+
+def _exit_code(script, argv) -> int:
+    try:
+        return script.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("name,extra,option,default", FILE_SCRIPTS, ids=[s[0] for s in FILE_SCRIPTS])
+def test_missing_default_data_file_is_one_line_naming_option_and_folder(
+        name, extra, option, default, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))  # exists, but holds no data file
+    monkeypatch.chdir(tmp_path)
+    script = load_script(name)
+    assert _exit_code(script, extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("error: ") and f"no {option} given" in err
+    assert str(tmp_path) in err and default in err
+
+
+@pytest.mark.parametrize("name", ["adapter_agreement", "train_adapter"])
+def test_adapter_scripts_without_a_data_folder_exit_2_with_one_line(name, tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "no-such-folder"
+    monkeypatch.setenv("SKIPDECODE_DATA", str(missing))
+    script = load_script(name)
+    assert _exit_code(script, ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no --data given" in err and str(missing) in err, err
+
+
+def test_adapter_prompts_given_folder_without_files_is_one_line(tmp_path, capsys):
+    script = load_script("adapter_prompts")
+    with pytest.raises(SystemExit) as info:
+        script.build_or_exit(str(tmp_path))  # a given --data is used as is; its files are missing
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path) in err, err
+
+
+def test_server_load_prompts_from_the_shared_folder_else_built_in(tmp_path, monkeypatch):
+    from skipdecode.data import TEMPLATES
+
+    script = load_script("server_load")
+    built_in = [TEMPLATES["e2e"].format(mr=mr) for mr in script.FALLBACK_MRS]
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
+    assert script.prompts() == built_in  # the folder lacks e2e/testset_w_refs.csv
+    (tmp_path / "e2e").mkdir()
+    write_e2e_csv(tmp_path / "e2e" / "testset_w_refs.csv", n_mrs=3)
+    got = script.prompts()
+    assert len(got) == 3 and got != built_in[:3] and got[0] == TEMPLATES["e2e"].format(mr="name[The Eagle], food[French]")
+
+
+def test_cli_eval_default_data_missing_names_option_and_folder(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))  # exists, but holds no E2E test set
+    res = CliRunner().invoke(app, ["eval"], env={"COLUMNS": "200"})
+    text = "".join(res.output.split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "no--datagiven" in text and "".join(str(tmp_path).split()) in text
+    assert "e2e/testset_w_refs.csv" in text
+
+
+def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch, capsys):
+    script = load_script("adapter_prompts")
+    rows = ([{"id": "own-x", "source": "own", "category": "x", "prompt": "not in the manifest"}], [])
+    monkeypatch.setattr(script, "build", lambda data_dir=None: rows)
+    assert script.build_or_exit("given") == rows  # no manifest check without a message
+    with pytest.raises(SystemExit) as info:
+        script.build_or_exit("given", mismatch="prompt set differs:")
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("prompt set differs:\n  train: ") and "differ from the manifest" in err
