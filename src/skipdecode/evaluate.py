@@ -52,6 +52,7 @@ from typing import Any, Union
 
 from .data import EvalItem
 from .jsonio import dumps, json_safe
+from .limits import check_stop
 from .metrics import METRICS, score_all
 from .policy import FullPolicy, LinearDecayPolicy, SkipPolicy, policy_from_dict
 
@@ -755,7 +756,8 @@ def evaluate(
             next item at once, so a long item no longer holds its batch (batch-1 and CALM rows are
             unchanged). ``decode_steps`` then counts row-steps.
         max_new_tokens: tokens per item (None: the task's default, :data:`TASKS`).
-        stop: stop strings (None: the task's default; ``()`` for none).
+        stop: stop strings (None: the task's default; ``()`` for none; at most 4, none empty:
+            :func:`skipdecode.limits.check_stop`, whose ValueError names ``stop``).
         task: key of :data:`TASKS` (metric set, plotted metric, defaults).
         metrics: metric names overriding the task's (see :data:`skipdecode.metrics.METRICS`).
         horizon: horizon T (tokens) of speedup policies (None: each model's).
@@ -800,7 +802,7 @@ def evaluate(
     max_new_tokens = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    stop = tuple(spec.stop if stop is None else (s for s in stop if s))
+    stop = tuple(spec.stop if stop is None else check_stop(stop))  # refused, not dropped: skipdecode.limits
     metrics = tuple(spec.metrics if metrics is None else metrics)
     if not metrics:
         raise ValueError("metrics is empty; choose from " + ", ".join(METRICS))

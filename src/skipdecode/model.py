@@ -11,6 +11,7 @@ from typing import Any, Iterator, Sequence
 from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
+from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy, for_speedup
 from .prompts import Prompt
 from .sampling import SamplingParams
@@ -184,7 +185,7 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str = (),
         chat: bool | None = None,
         max_batch_size: int | None = None,
     ) -> GenerationResult:
@@ -216,12 +217,16 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str = (),
         chat: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`)."""
+        """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`).
+
+        Raises ValueError at once (not at the first step) for a bad ``stop``
+        (:func:`skipdecode.limits.check_stop`); other bad arguments when iteration starts."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        stop = check_stop(stop)
         return stream_generate(
             self.adapter,
             self.tokenizer,
