@@ -1,0 +1,256 @@
+"""What issue 13 left, each fixed as a kind across the Python API, the CLI and the server:
+
+1. stop strings: at most 4, none empty (``skipdecode.limits.check_stop``, one rule everywhere);
+2. out-of-range probabilities and thresholds on the command line name the option and the range;
+3. every field of a checkpoint's ``skipdecode.json`` is type-checked at load (one line naming the
+   file and the field);
+4. one sampling-seed range (int64) for the API, the CLI and the server, tested at its ends;
+5. weight files are checked against the sha256 that ``skipdecode.json`` records (a flipped byte is
+   one line naming the file);
+6. the FutureWarning that peft triggers in transformers is not shown by our calls.
+
+Each test fails on the code before its fix (see docs/correctness.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from conftest import make_chain_model, make_model, make_tokenizer
+from skipdecode import SkipModel, load
+from skipdecode.cli import app
+from skipdecode.limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
+from skipdecode.loading import LoadError
+from skipdecode.server import create_app
+
+NUM_LAYERS = 4
+PROMPT = "Describe the restaurant:"
+TARGET = "The Eagle is a coffee shop"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chain(tok):
+    """A programmed tiny llama that writes TARGET then EOS after PROMPT."""
+    return SkipModel(make_chain_model(tok, PROMPT, TARGET, NUM_LAYERS), tok, chat=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    SkipModel(make_model("llama", NUM_LAYERS), tok).save_pretrained(path)
+    return path
+
+
+def cli(args):
+    """(result, output without whitespace: rich may wrap long lines)."""
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    return res, "".join(res.output.split())
+
+
+def assert_one_line_exit_2(res, text, *words):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) <= 3, res.output
+    for word in words:
+        assert "".join(word.split()) in text, (word, res.output)
+
+
+def no_model_load(monkeypatch):
+    """Fail the test if the CLI loads a model: the check must come before."""
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the option was checked")
+    monkeypatch.setattr("skipdecode.loading.load", boom)
+
+
+# ------------------------------------------------------------------ 1. stop strings, one rule
+def test_check_stop_is_the_rule():
+    assert check_stop(None) == [] and check_stop(()) == []
+    assert check_stop("Name") == ["Name"]  # one string is one stop string, not four letters
+    assert check_stop(["a", "b", "c", "d"]) == ["a", "b", "c", "d"]
+    with pytest.raises(ValueError, match=r"^stop: at most 4 stop strings .* got 5$"):
+        check_stop(list("abcde"))
+    with pytest.raises(ValueError, match=r"^stop: stop strings must not be empty \(got '' at position 1\)"):
+        check_stop(["x", ""])
+    with pytest.raises(ValueError, match=r"^--stop: .*empty"):
+        check_stop("", "--stop")
+    with pytest.raises(ValueError, match=r"^stop: stop strings must be strings, got int at position 0"):
+        check_stop([3])
+    assert MAX_STOP_STRINGS == 4
+
+
+@pytest.mark.parametrize("stop, words", [([""], "empty"), (["coffee", ""], "position 1"), (list("abcde"), "at most 4"),
+                                         ("", "empty")])
+@pytest.mark.parametrize("path", ["static", "inflight", "stream"])
+def test_python_api_refuses_bad_stop_strings(chain, stop, words, path):
+    """Empty stop strings were silently dropped and any number was accepted; now a ValueError
+    starting with ``stop`` on every generation path (raised at the call, not mid-stream)."""
+    with pytest.raises(ValueError, match=rf"^stop: .*{words}"):
+        if path == "static":
+            chain.generate(PROMPT, max_new_tokens=4, stop=stop)
+        elif path == "inflight":
+            chain.generate([PROMPT, PROMPT], max_new_tokens=4, stop=stop, max_batch_size=2)
+        else:
+            chain.stream_generate(PROMPT, max_new_tokens=4, stop=stop)
+
+
+def test_python_api_takes_one_string_as_one_stop_string(chain):
+    """``stop="Eagle is"`` was iterated as eight one-letter stop strings (cut at "T"... of nothing:
+    at "e" of "The"); it is one stop string, as in OpenAI's API."""
+    for kwargs in ({}, {"max_batch_size": 2}):
+        res = chain.generate([PROMPT], max_new_tokens=20, stop="Eagle is", **kwargs)
+        assert res.texts == ["The "] and res.finish_reasons == ["stop"]
+    four = chain.generate(PROMPT, max_new_tokens=20, stop=["zz", "yy", "xx", "coffee"])
+    assert four.texts == ["The Eagle is a "]
+
+
+def test_evaluate_and_calm_refuse_bad_stop_strings(chain):
+    from skipdecode.calm import calm_generate
+    from skipdecode.data import EvalItem
+    from skipdecode.evaluate import evaluate
+
+    items = [EvalItem(PROMPT, (TARGET,), PROMPT)]
+    with pytest.raises(ValueError, match=r"^stop: .*empty"):
+        evaluate(chain, items, [2.0], max_new_tokens=3, stop=["\n", ""], warmup=False)
+    with pytest.raises(ValueError, match=r"^stop: at most 4"):
+        evaluate(chain, items, [2.0], max_new_tokens=3, stop=list("abcde"), warmup=False)
+    with pytest.raises(ValueError, match=r"^stop: .*empty"):
+        calm_generate(chain, PROMPT, threshold=0.5, stop=[""])
+
+
+@pytest.mark.parametrize("stop", [[""], ["a", "b", "c", "d", "e"], ""], ids=["empty", "five", "empty-string"])
+def test_server_refuses_bad_stop_strings_by_name(chain, stop):
+    client = TestClient(create_app(chain, "tiny"), raise_server_exceptions=False)
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions",
+                                                                  {"messages": [{"role": "user", "content": "x"}]})):
+        res = client.post(path, json={**body, "stop": stop, "max_tokens": 2})
+        assert res.status_code == 400, res.text
+        error = res.json()["error"]
+        assert error["param"] == "stop" and error["type"] == "invalid_request_error"
+        assert error["message"].startswith("stop: ") and error["code"] is None
+    ok = client.post("/v1/completions", json={"prompt": PROMPT, "stop": ["zz", "yy", "xx", "coffee"], "max_tokens": 20})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "The Eagle is a "
+
+
+@pytest.mark.parametrize("stops, words", [([""], ["--stop", "empty"]), (["a", ""], ["--stop", "position 1"]),
+                                          (list("abcde"), ["--stop", "at most 4"])])
+def test_cli_generate_refuses_bad_stop_strings(saved, stops, words, monkeypatch):
+    no_model_load(monkeypatch)
+    args = ["generate", "hello", "--model", str(saved), "-n", "2"]
+    for s in stops:
+        args += ["--stop", s]
+    assert_one_line_exit_2(*cli(args), *words)
+
+
+def test_cli_eval_stop_empty_alone_means_none_and_otherwise_is_refused(saved, tmp_path, monkeypatch):
+    import skipdecode.evaluate as evaluate_module
+
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
+    seen = {}
+
+    def fake_evaluate(*args, **kwargs):
+        seen["stop"] = kwargs["stop"]
+        raise ValueError("stop here")
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    base = ["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "out"), "-n", "2"]
+    cli(base + ["--stop", ""])
+    assert seen["stop"] == []  # documented: --stop '' alone turns the task's default off
+    cli(base + ["--stop", "\\n"])
+    assert seen["stop"] == ["\n"]
+    seen.clear()
+    assert_one_line_exit_2(*cli(base + ["--stop", "", "--stop", "x"]), "--stop", "empty")
+    assert_one_line_exit_2(*cli(base + [a for s in "abcde" for a in ("--stop", s)]), "--stop", "at most 4")
+    assert not seen  # refused before evaluate ran
+
+
+# ------------------------------------------------- 2. probabilities and thresholds on the CLI
+@pytest.mark.parametrize("value", ["2", "1.5", "-0.5", "nan"])
+def test_cli_calm_threshold_out_of_range_is_refused_before_any_work(saved, tmp_path, value, monkeypatch):
+    """``--calm-threshold 2`` ran a CALM row that could never exit (a top-2 margin is at most 1)."""
+    import skipdecode.evaluate as evaluate_module
+
+    def boom(*a, **k):
+        raise AssertionError("evaluate ran with an out-of-range threshold")
+    monkeypatch.setattr(evaluate_module, "evaluate", boom)
+    no_model_load(monkeypatch)
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
+    res, text = cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"),
+                     "--calm-threshold", value])
+    assert_one_line_exit_2(res, text, "--calm-threshold must be a number in [0, 1]")
+
+
+def test_calm_threshold_range_in_the_python_api():
+    from skipdecode.calm import CalmConfig
+
+    CalmConfig(0.0), CalmConfig(1.0), CalmConfig(1)
+    for bad in (1.0000001, 2, -0.1, float("inf")):
+        with pytest.raises(ValueError, match=r"^threshold must be a number in \[0, 1\]"):
+            CalmConfig(bad)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--top-p", "2"], ["--top-p must be in (0, 1]", "2.0"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
+    (["--top-k", "-1"], ["--top-k must be an integer >= 0"]),
+    (["--temperature", "-1"], ["--temperature must be a finite number >= 0"]),
+    (["--temperature", "inf"], ["--temperature must be a finite number >= 0"]),
+])
+def test_cli_sampling_options_name_the_option_and_its_range(saved, extra, words, monkeypatch):
+    """The library's messages named the field (``top_p must be ...``), not the option."""
+    no_model_load(monkeypatch)
+    assert_one_line_exit_2(*cli(["generate", "hello", "--model", str(saved), "-n", "2", *extra]), *words)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1)"]),
+    (["--warmup-ratio", "-0.1"], ["--warmup-ratio must be in [0, 1)"]),
+    (["--seed", str(2**32)], ["--seed must be an integer in [0, 4294967295]"]),
+])
+def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, extra, words, monkeypatch):
+    """The training seed goes to numpy through ``accelerate.utils.set_seed`` (32 bits): 2**32 was
+    accepted and failed after the model and data were loaded, naming no option."""
+    no_model_load(monkeypatch)
+    res, text = cli(["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"), "--speedup", "2",
+                     *extra])
+    assert_one_line_exit_2(res, text, *words)
+
+
+# -------------------------------------------------------------------- 4. one seed range
+def test_one_seed_range_for_api_cli_and_server(saved, tok):
+    from skipdecode import limits, protocol, sampling
+
+    assert (SEED_MIN, SEED_MAX) == (-(2**63), 2**63 - 1)
+    assert protocol.SEED_MAX is limits.SEED_MAX and sampling.SEED_MAX is limits.SEED_MAX
+    # Python API: both ends in, one past each end out
+    sk = load(saved)
+    for seed in (SEED_MAX, SEED_MIN):
+        sk.generate("hello", max_new_tokens=2, temperature=1.0, seed=seed)
+    for seed in (SEED_MAX + 1, SEED_MIN - 1):
+        with pytest.raises(ValueError, match="^seed must be an integer in"):
+            sk.generate("hello", max_new_tokens=2, temperature=1.0, seed=seed)
+    # server
+    client = TestClient(create_app(sk, "tiny"), raise_server_exceptions=False)
+    for seed, status in ((SEED_MAX, 200), (SEED_MIN, 200), (SEED_MAX + 1, 400), (SEED_MIN - 1, 400)):
+        res = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 1.0, "seed": seed})
+        assert res.status_code == status, (seed, res.text)
+        if status == 400:
+            assert res.json()["error"]["param"] == "seed"
+    # CLI: the server's range, not torch's (2**64 - 1 used to pass)
+    base = ["generate", "hello", "--model", str(saved), "-n", "2", "--temperature", "1", "--json"]
+    for seed in (SEED_MAX, SEED_MIN):
+        res, _ = cli(base + ["--seed", str(seed)])
+        assert res.exit_code == 0, res.output
+    for seed in (SEED_MAX + 1, 2**64 - 1, SEED_MIN - 1):
+        assert_one_line_exit_2(*cli(base + ["--seed", str(seed)]), "--seed must be an integer in",
+                               f"[{SEED_MIN}, {SEED_MAX}]")
