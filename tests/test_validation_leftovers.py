@@ -254,3 +254,141 @@ def test_one_seed_range_for_api_cli_and_server(saved, tok):
     for seed in (SEED_MAX + 1, 2**64 - 1, SEED_MIN - 1):
         assert_one_line_exit_2(*cli(base + ["--seed", str(seed)]), "--seed must be an integer in",
                                f"[{SEED_MIN}, {SEED_MAX}]")
+
+
+# ------------------------------------------------------ 3. skipdecode.json field types
+BAD_FIELDS = {
+    "chat": ["yes", 1, None],
+    "policy": ["2x", None, [1]],
+    "num_layers": ["4", 0, True, 4.0],
+    "horizon": ["32", 2.5, 0],
+    "base_model": [5, ["a"]],
+    "task": [3],
+    "response_separator": [1],
+    "speedups": ["2,3", [True], [2, "x"]],
+    "policies": [[], {"2": "x"}],
+    "training": ["x"],
+    "data": [1],
+    "losses": ["x"],
+    "adapter": [3],
+    "skip_adapter": [[]],
+    "weights_sha256": ["abc", {"model.safetensors": "abc"}, {"model.safetensors": 5}],
+}
+CASES = [(field, value) for field, values in BAD_FIELDS.items() for value in values]
+
+
+@pytest.mark.parametrize("field, value", CASES, ids=[f"{f}={json.dumps(v)}" for f, v in CASES])
+def test_each_skipdecode_json_field_is_type_checked(saved, tmp_path, field, value):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    meta_file = bad / "skipdecode.json"
+    meta = json.loads(meta_file.read_text())
+    meta[field] = value
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(LoadError) as err:
+        load(bad)
+    message = str(err.value)
+    assert str(meta_file) in message and f"'{field}" in message and "\n" not in message, message
+
+
+def test_skipdecode_json_field_type_is_one_line_on_the_cli(saved, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "skipdecode.json").read_text())
+    (bad / "skipdecode.json").write_text(json.dumps({**meta, "chat": "yes"}))
+    assert_one_line_exit_2(*cli(["generate", "hello", "--model", str(bad), "-n", "2"]),
+                           str(bad / "skipdecode.json"), "'chat'", "valid boolean")
+
+
+def test_skipdecode_json_num_layers_must_fit_the_model(saved, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "skipdecode.json").read_text())
+    meta.pop("policy")
+    (bad / "skipdecode.json").write_text(json.dumps({**meta, "num_layers": NUM_LAYERS + 2}))
+    with pytest.raises(LoadError, match=r"field 'num_layers' is 6 but the model has 4 layers"):
+        load(bad)
+
+
+def test_unknown_and_absent_fields_still_load(saved, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved, folder)
+    meta = json.loads((folder / "skipdecode.json").read_text())
+    (folder / "skipdecode.json").write_text(json.dumps({**meta, "note": [1, "x"]}))
+    assert load(folder).skip_config["note"] == [1, "x"]
+    (folder / "skipdecode.json").write_text(json.dumps({"chat": False}))  # a hand-written minimal file
+    assert load(folder).chat is False
+
+
+# ---------------------------------------------------- 5. weight checksums at load time
+def _flip_middle(path: Path) -> None:
+    """Flip one bit in the middle of a safetensors file (tensor data: the header stays valid)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_save_records_the_weights_sha256(saved):
+    from skipdecode.skip_config import sha256_file
+
+    meta = json.loads((saved / "skipdecode.json").read_text())
+    assert meta["weights_sha256"] == {"model.safetensors": sha256_file(saved / "model.safetensors")}
+
+
+def test_a_flipped_weight_byte_is_one_line_naming_the_file(saved, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    load(bad)  # intact: loads
+    _flip_middle(bad / "model.safetensors")
+    with pytest.raises(LoadError) as err:
+        load(bad)
+    message = str(err.value)
+    assert message.startswith(str(bad / "model.safetensors")) and "sha256" in message and "\n" not in message
+    assert_one_line_exit_2(*cli(["generate", "hello", "--model", str(bad), "-n", "2"]),
+                           str(bad / "model.safetensors"), "sha256")
+
+
+def test_a_missing_recorded_weight_file_is_named(saved, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(saved, bad)
+    meta = json.loads((bad / "skipdecode.json").read_text())
+    meta["weights_sha256"]["model-00002-of-00002.safetensors"] = "0" * 64
+    (bad / "skipdecode.json").write_text(json.dumps(meta))
+    with pytest.raises(LoadError, match=r"model-00002-of-00002.safetensors: the weight file is missing"):
+        load(bad)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tok, saved):
+    """A LoRA checkpoint folder (as ``skipdecode train --lora-r`` writes ``final/``) on ``saved``."""
+    from peft import LoraConfig, get_peft_model
+
+    hf = make_model("llama", NUM_LAYERS)
+    sk = SkipModel(hf, tok, skip_config={"base_model": str(saved)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(hf, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+    sk.model = peft_model
+    return sk.save_pretrained(tmp_path_factory.mktemp("lora") / "final")
+
+
+def test_lora_folders_and_installed_skip_adapters_are_verified(lora_run, saved, tmp_path):
+    from skipdecode.skip_adapter import install_adapter
+    from skipdecode.skip_config import sha256_file
+
+    meta = json.loads((lora_run / "skipdecode.json").read_text())
+    assert set(meta["weights_sha256"]) == {"adapter_model.safetensors"}
+    bad = tmp_path / "final"
+    shutil.copytree(lora_run, bad)
+    load(bad)
+    _flip_middle(bad / "adapter_model.safetensors")
+    with pytest.raises(LoadError, match=r"adapter_model.safetensors: its sha256 differs"):
+        load(bad)
+    # install_adapter stores float16 weights: it records their sha256, not the run's
+    installed = install_adapter(lora_run, name="tiny", target_root=tmp_path / "shipped")
+    sums = json.loads((installed / "skipdecode.json").read_text())["weights_sha256"]
+    assert sums == {"adapter_model.safetensors": sha256_file(installed / "adapter_model.safetensors")}
+    load(saved, adapter=installed)
+    _flip_middle(installed / "adapter_model.safetensors")
+    with pytest.raises(LoadError, match=r"adapter_model.safetensors: its sha256 differs"):
+        load(saved, adapter=installed)

@@ -12,6 +12,7 @@ from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
 from .limits import check_stop
+from .skip_config import weight_checksums
 from .policy import FullPolicy, SkipPolicy, for_speedup
 from .prompts import Prompt
 from .sampling import SamplingParams
@@ -237,7 +238,8 @@ class SkipModel:
         )
 
     def save_pretrained(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:
-        """Write a normal HF checkpoint plus ``skipdecode.json`` (policy, chat flag, ``extra``).
+        """Write a normal HF checkpoint plus ``skipdecode.json`` (policy, chat flag, ``extra``, and
+        ``weights_sha256``: the sha256 of each weight file, which :func:`skipdecode.load` checks).
 
         The directory is written under a temporary name and renamed into place, so a crash never
         leaves a half-written checkpoint. Returns the directory path.
@@ -258,6 +260,7 @@ class SkipModel:
         config = dict(self.skip_config)
         config.update(policy=self.policy.to_dict(), chat=self.chat, num_layers=self.num_layers)
         config.update(extra or {})
+        config["weights_sha256"] = weight_checksums(tmp)  # verified by load() (skipdecode.skip_config)
         write_json_atomic(tmp / SKIP_CONFIG_NAME, config)
         apply_umask(tmp)
         if target.exists():
