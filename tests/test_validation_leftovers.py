@@ -392,3 +392,46 @@ def test_lora_folders_and_installed_skip_adapters_are_verified(lora_run, saved, 
     _flip_middle(installed / "adapter_model.safetensors")
     with pytest.raises(LoadError, match=r"adapter_model.safetensors: its sha256 differs"):
         load(saved, adapter=installed)
+
+
+# ------------------------------------------------------------ 6. peft's FutureWarning
+def _checkpointing_warnings(record) -> list:
+    return [w for w in record if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_our_peft_calls_show_no_checkpointing_future_warning(lora_run, saved, tmp_path):
+    """peft 0.21 reads ``is_gradient_checkpointing``, deprecated in transformers 5.24: every
+    command that merged the shipped adapter printed a FutureWarning."""
+    from test_train import cfg, examples
+
+    from skipdecode.skip_adapter import install_adapter, merge_adapter
+    from skipdecode.train import train
+    from skipdecode.training.throughput import _trainable_copy
+
+    installed = install_adapter(lora_run, name="tiny", target_root=tmp_path / "adapters")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        load(lora_run)  # loading._from_lora
+        merge_adapter(make_model("llama", NUM_LAYERS), installed)  # skip_adapter.merge_adapter
+        tiny = SkipModel(make_model("llama", NUM_LAYERS), make_tokenizer(), chat=False)
+        _trainable_copy(tiny, 2)  # training.throughput
+        train(tiny, examples()[:4], cfg(tmp_path / "run", max_steps=1, lora_r=2))  # training.loop
+    assert not _checkpointing_warnings(record), [str(w.message) for w in record]
+
+
+def test_the_filter_is_exact():
+    from skipdecode.peft_compat import quiet_peft_checkpointing_warning
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with quiet_peft_checkpointing_warning():
+            warnings.warn_explicit("`is_gradient_checkpointing` is deprecated and will be removed in v6.",
+                                   FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
+            warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning, "x.py", 1,
+                                   module="somebody.else")
+            warnings.warn("another future change", FutureWarning)
+        warnings.warn_explicit("`is_gradient_checkpointing` is deprecated", FutureWarning, "modeling_utils.py", 2,
+                               module="transformers.modeling_utils")  # outside the block: shown
+    shown = [(str(w.message), w.lineno) for w in record]
+    assert shown == [("`is_gradient_checkpointing` is deprecated", 1), ("another future change", shown[1][1]),
+                     ("`is_gradient_checkpointing` is deprecated", 2)], shown

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .adapters import UnsupportedArchitectureError
 from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
+from .peft_compat import quiet_peft_checkpointing_warning
 from .policy import policy_from_dict
 from .quantize import QuantizeError, check_quantize, quantize_model
 from .skip_config import SkipConfigError, read_skip_config, verify_weights
@@ -292,7 +293,8 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
     base = load(base_name, dtype=dtype, adapter=False)
-    merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+        merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
     return merged, base.tokenizer
 
 

@@ -100,8 +100,11 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     path = Path(path)
     if not (path / _CONFIG).is_file() or not (path / _WEIGHTS).is_file():
         raise AdapterError(f"adapter {path}: needs {_CONFIG} and {_WEIGHTS}")
+    from .peft_compat import quiet_peft_checkpointing_warning
+
     try:
-        peft_model = PeftModel.from_pretrained(hf_model, str(path), autocast_adapter_dtype=True)
+        with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+            peft_model = PeftModel.from_pretrained(hf_model, str(path), autocast_adapter_dtype=True)
     except (RuntimeError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AdapterError(f"adapter {path} does not fit this model: {first}") from None
