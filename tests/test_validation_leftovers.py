@@ -20,42 +20,23 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
 from conftest import make_chain_model, make_model, make_tokenizer
+from test_cli_outputs import NUM_LAYERS, saved  # noqa: F401  (saved: a tiny llama checkpoint, a fixture)
+from test_cli_outputs import _run as cli  # (result, output without whitespace)
 from skipdecode import SkipModel, load
-from skipdecode.cli import app
 from skipdecode.limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
 from skipdecode.loading import LoadError
 from skipdecode.server import create_app
 
-NUM_LAYERS = 4
 PROMPT = "Describe the restaurant:"
 TARGET = "The Eagle is a coffee shop"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chain(tok):
+def chain(tokenizer):
     """A programmed tiny llama that writes TARGET then EOS after PROMPT."""
-    return SkipModel(make_chain_model(tok, PROMPT, TARGET, NUM_LAYERS), tok, chat=False)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, tok):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    SkipModel(make_model("llama", NUM_LAYERS), tok).save_pretrained(path)
-    return path
-
-
-def cli(args):
-    """(result, output without whitespace: rich may wrap long lines)."""
-    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
-    return res, "".join(res.output.split())
+    return SkipModel(make_chain_model(tokenizer, PROMPT, TARGET, NUM_LAYERS), tokenizer, chat=False)
 
 
 def assert_one_line_exit_2(res, text, *words):
@@ -227,7 +208,7 @@ def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, ex
 
 
 # -------------------------------------------------------------------- 4. one seed range
-def test_one_seed_range_for_api_cli_and_server(saved, tok):
+def test_one_seed_range_for_api_cli_and_server(saved):
     from skipdecode import limits, protocol, sampling
 
     assert (SEED_MIN, SEED_MAX) == (-(2**63), 2**63 - 1)
@@ -359,14 +340,15 @@ def test_a_missing_recorded_weight_file_is_named(saved, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, tok, saved):
+def lora_run(tmp_path_factory, tokenizer, saved):
     """A LoRA checkpoint folder (as ``skipdecode train --lora-r`` writes ``final/``) on ``saved``."""
     from peft import LoraConfig, get_peft_model
 
     hf = make_model("llama", NUM_LAYERS)
-    sk = SkipModel(hf, tok, skip_config={"base_model": str(saved)})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    sk = SkipModel(hf, tokenizer, skip_config={"base_model": str(saved)})
+    from skipdecode.peft_compat import quiet_peft_checkpointing_warning
+
+    with quiet_peft_checkpointing_warning():
         peft_model = get_peft_model(hf, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
     sk.model = peft_model
     return sk.save_pretrained(tmp_path_factory.mktemp("lora") / "final")
