@@ -18,6 +18,7 @@ on resume (:mod:`skipdecode.training.checkpoint`).
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -33,12 +34,20 @@ __all__ = ["SkipConfigError", "SkipConfigFile", "WEIGHT_PATTERNS", "read_skip_co
 #: transformers and peft write (a full model, its shards, or a LoRA adapter).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 
+#: A training checkpoint's record of every file's sha256 (:mod:`skipdecode.training.checkpoint`).
+TRAIN_CHECKSUMS = "train_state/checksums.json"
+
 _Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class SkipConfigError(ValueError):
-    """``skipdecode.json`` or a weight file it records is wrong; the message is one line naming the
-    file and the field at fault."""
+    """``skipdecode.json`` or a weight file it records is wrong. ``path`` is the file at fault; the
+    message is one line, ``"<path>: <problem>"``, naming the field where there is one."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
 
 
 class SkipConfigFile(BaseModel):
@@ -95,11 +104,11 @@ def read_skip_config(path: str | os.PathLike) -> dict[str, Any]:
     try:
         content = json.loads(path.read_text())
     except OSError as err:
-        raise SkipConfigError(f"{path}: cannot be read ({err.strerror or err})") from None
+        raise SkipConfigError(path, f"cannot be read ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SkipConfigError(f"{path} is not valid JSON: {err}") from None
+        raise SkipConfigError(path, f"not valid JSON ({err})") from None
     if not isinstance(content, dict):
-        raise SkipConfigError(f"{path} must hold a JSON object, got {type(content).__name__}")
+        raise SkipConfigError(path, f"must hold a JSON object, got {type(content).__name__}")
     try:
         SkipConfigFile.model_validate(content)
     except ValidationError as err:
@@ -107,7 +116,7 @@ def read_skip_config(path: str | os.PathLike) -> dict[str, Any]:
         field = _field_path(first["loc"])
         shown = json.dumps(first.get("input"), default=str)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise SkipConfigError(f"{path}: field {field!r} has the wrong type or value ({first['msg']}), "
+        raise SkipConfigError(path, f"field {field!r} has the wrong type or value ({first['msg']}), "
                               f"got {shown}") from None
     return content
 
@@ -137,28 +146,51 @@ def weight_checksums(folder: str | os.PathLike) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in files}
 
 
+def _checkpoint_weight_sums(folder: Path) -> dict[str, str]:
+    """The weight files' sums in a training checkpoint's ``train_state/checksums.json`` (written
+    by :mod:`skipdecode.training.checkpoint` for every file, also before ``weights_sha256``
+    existed); {} when the folder has none."""
+    record = folder / TRAIN_CHECKSUMS
+    if not record.is_file():
+        return {}
+    try:
+        sums = json.loads(record.read_text())
+    except (OSError, ValueError):
+        sums = None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise SkipConfigError(record, "the checksum record is not a JSON object of sha256 strings (corrupt)")
+    return {name: digest for name, digest in sums.items()
+            if "/" not in name and any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_PATTERNS)}
+
+
 def verify_weights(folder: str | os.PathLike, skip_config: dict[str, Any]) -> None:
     """Check each weight file recorded in ``skip_config["weights_sha256"]`` (a checked
-    ``skipdecode.json`` of ``folder``) against its sha256; nothing to do when none is recorded
-    (files written before checksums were recorded, or by other tools).
+    ``skipdecode.json`` of ``folder``) against its sha256. A training checkpoint saved before
+    that field existed is checked against the weight files' entries of its
+    ``train_state/checksums.json``. Nothing to do when neither records a sum (files written by
+    other tools or older versions).
 
     Raises:
         SkipConfigError: a recorded file is missing, unreadable, or its content changed since it
-            was saved (a flipped byte, a truncation); the message names the file.
+            was saved (a flipped byte, a truncation); the message names the file. The
+            checkpoint's checksum record is not a JSON object (names it).
     """
     folder = Path(folder)
-    for name, digest in (skip_config.get("weights_sha256") or {}).items():
+    sums = skip_config.get("weights_sha256")
+    if sums is None:
+        sums = _checkpoint_weight_sums(folder)
+    for name, digest in sums.items():
         f = folder / name
         if Path(name).name != name:
-            raise SkipConfigError(f"{folder / 'skipdecode.json'}: field 'weights_sha256' names {name!r}, "
-                                  "which is not a file name in the checkpoint folder")
+            raise SkipConfigError(folder / "skipdecode.json", f"field 'weights_sha256' names {name!r}, which is "
+                                                              "not a file name in the checkpoint folder")
         if not f.is_file():
-            raise SkipConfigError(f"{f}: the weight file is missing (skipdecode.json records its sha256); "
-                                  "the checkpoint is incomplete")
+            raise SkipConfigError(f, "the weight file is missing (its sha256 is recorded); the checkpoint is "
+                                     "incomplete")
         try:
             actual = sha256_file(f)
         except OSError as err:
-            raise SkipConfigError(f"{f}: cannot be read ({err.strerror or err})") from None
+            raise SkipConfigError(f, f"cannot be read ({err.strerror or err})") from None
         if actual != digest:
-            raise SkipConfigError(f"{f}: its sha256 differs from the one skipdecode.json recorded when it was "
-                                  "saved; the weights are corrupt or were modified (copy the checkpoint again)")
+            raise SkipConfigError(f, "its sha256 differs from the one recorded when it was saved; the weights "
+                                     "are corrupt or were modified (copy the checkpoint again)")
