@@ -155,8 +155,14 @@ def test_cli_eval_stop_empty_alone_means_none_and_otherwise_is_refused(saved, tm
 
 
 # ------------------------------------------------- 2. probabilities and thresholds on the CLI
-@pytest.mark.parametrize("value", ["2", "1.5", "-0.5", "nan"])
-def test_cli_calm_threshold_out_of_range_is_refused_before_any_work(saved, tmp_path, value, monkeypatch):
+@pytest.mark.parametrize("extra, words", [
+    (["--calm-threshold", "2"], "--calm-threshold must be a number in [0, 1]"),
+    (["--calm-threshold", "1.5"], "--calm-threshold must be a number in [0, 1]"),
+    (["--calm-threshold", "-0.5"], "--calm-threshold must be a number in [0, 1]"),
+    (["--calm-threshold", "nan"], "--calm-threshold must be a number in [0, 1]"),
+    (["--calm-threshold", "0.5", "--calm-min-layers", "0"], "--calm-min-layers must be an integer >= 1"),
+])
+def test_cli_calm_options_out_of_range_are_refused_before_any_work(saved, tmp_path, extra, words, monkeypatch):
     """``--calm-threshold 2`` ran a CALM row that could never exit (a top-2 margin is at most 1)."""
     import skipdecode.evaluate as evaluate_module
 
@@ -166,9 +172,8 @@ def test_cli_calm_threshold_out_of_range_is_refused_before_any_work(saved, tmp_p
     no_model_load(monkeypatch)
     data = tmp_path / "items.jsonl"
     data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
-    res, text = cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"),
-                     "--calm-threshold", value])
-    assert_one_line_exit_2(res, text, "--calm-threshold must be a number in [0, 1]")
+    res, text = cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"), *extra])
+    assert_one_line_exit_2(res, text, words)
 
 
 def test_calm_threshold_range_in_the_python_api():

@@ -199,7 +199,7 @@ def eval_command(
         try:
             CalmConfig(threshold, calm_min_layers)
         except ValueError as e:
-            fail(as_option_error(e))
+            fail(as_option_error(e, {"threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}))
     # --stop '' alone means "no stop string" (the E2E default is a newline); otherwise the rule of
     # skipdecode.limits, with \n and \t written as escapes
     escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]

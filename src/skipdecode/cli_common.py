@@ -41,7 +41,7 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
 #: Python names of generation settings -> the CLI options that set them (for error messages:
 #: the library's ValueErrors start with the field, the CLI names the option instead).
 OPTION_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-                "stop": "--stop", "threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}
+                "stop": "--stop"}
 
 
 def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
