@@ -66,13 +66,12 @@ FAULTS = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_resume_names_the_damaged_file(killed_run, tmp_path, fault, checksums):
     """With the checksum record every fault is caught before loading; without it (an older
-    checkpoint) each reader still names its file (a flipped weight byte is then undetectable)."""
+    checkpoint) each reader still names its file, and a flipped weight byte is caught by the
+    weights' sha256 in skipdecode.json (it used to load as a different weight)."""
     run, ckpt = _copy(killed_run, tmp_path)
     rel, damage = FAULTS[fault]
     if not checksums:
         (ckpt / "train_state" / "checksums.json").unlink()
-        if fault == "model byte flipped":
-            pytest.skip("without checksums a flipped weight byte loads as a different weight")
     damage(ckpt / rel)
     with pytest.raises(CheckpointError) as info:
         train(tiny_skipmodel(), examples(), cfg(run, resume=True, **SETTINGS))
@@ -168,3 +167,26 @@ def test_cli_generate_with_a_corrupt_model_or_misfit_policy_exits_2(cli_inputs, 
     (misfit / "skipdecode.json").write_text(json.dumps(meta))
     res, text = _cli(["generate", "--model", str(misfit), "hello", "-n", "2"])
     assert res.exit_code == 2 and "Traceback" not in res.output and "skipdecode.json" in text
+
+
+def test_loading_a_checkpoint_folder_verifies_its_weights(killed_run, tmp_path):
+    """``load(checkpoint folder)`` (``generate --model``) checks the weights' sha256 too, not only
+    ``--resume``: from skipdecode.json's ``weights_sha256``, or, for a checkpoint saved before that
+    field existed, from the weight entries of ``train_state/checksums.json``."""
+    from skipdecode import load
+    from skipdecode.loading import LoadError
+    from skipdecode.skip_config import TRAIN_CHECKSUMS
+    from skipdecode.training.checkpoint import CHECKSUMS, STATE_DIR
+
+    assert TRAIN_CHECKSUMS == f"{STATE_DIR}/{CHECKSUMS}"
+    for older in (False, True):
+        _, ckpt = _copy(killed_run, tmp_path / str(older))
+        meta = json.loads((ckpt / "skipdecode.json").read_text())
+        assert set(meta["weights_sha256"]) == {"model.safetensors"}
+        if older:  # as written before skipdecode.json recorded the weights' sums
+            del meta["weights_sha256"]
+            (ckpt / "skipdecode.json").write_text(json.dumps(meta))
+        load(ckpt)
+        _flip(ckpt / "model.safetensors")
+        with pytest.raises(LoadError, match=r"model\.safetensors: its sha256 differs from the one recorded"):
+            load(ckpt)

@@ -313,10 +313,16 @@ def test_bad_fields_are_named_before_the_engine_runs(sk, body, param, words, mon
     assert_400(post(app, "/v1/chat/completions", {"messages": MSGS, **body}), param, *words)
 
 
-def test_sampling_params_refuse_a_seed_torch_cannot_take():
+def test_sampling_params_take_the_servers_seed_range():
+    """One seed range (int64, skipdecode.limits) for the API, the CLI and the server; the API used
+    to take up to 2**64 - 1 (torch's range) while the server stopped at 2**63 - 1."""
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(temperature=1.0, seed=2**70)
-    SamplingParams(temperature=1.0, seed=2**64 - 1)
+    for seed in (2**63, 2**64 - 1, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"^seed must be an integer in \[-9223372036854775808, 9223372036854775807\]"):
+            SamplingParams(temperature=1.0, seed=seed)
+    SamplingParams(temperature=1.0, seed=2**63 - 1)
+    SamplingParams(temperature=1.0, seed=-(2**63))
 
 
 def test_top_p_zero_is_greedy_and_temperature_two_is_allowed(client):

@@ -26,9 +26,12 @@ def _lora_dir(path, *, zero: bool, r: int = 2):
     False) or peft's initial B = 0 (the adapter is then the identity)."""
     from peft import LoraConfig, get_peft_model
 
+    from skipdecode.peft_compat import quiet_peft_checkpointing_warning
+
     torch.manual_seed(3)
-    peft_model = get_peft_model(make_model("llama", NUM_LAYERS),
-                                LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", bias="none"))
+    with quiet_peft_checkpointing_warning():  # peft's own FutureWarning, as at our call sites
+        peft_model = get_peft_model(make_model("llama", NUM_LAYERS),
+                                    LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", bias="none"))
     if not zero:
         with torch.no_grad():
             for name, p in peft_model.named_parameters():

@@ -26,7 +26,6 @@ generation, METHOD.md), decoding is greedy and KV-cached with a :class:`SkipCach
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,6 +35,7 @@ import torch
 from .cache import SkipCache
 from .forward import layer_attention_masks, positions_from_mask, skip_forward
 from .generate import GenerationResult, _eos_ids, encode_prompts
+from .limits import check_stop
 
 __all__ = ["CalmConfig", "CalmResult", "calm_generate", "calm_generate_ids"]
 
@@ -53,14 +53,16 @@ class CalmConfig:
     """Exit rule of the CALM baseline.
 
     Args:
-        threshold: minimum softmax top-2 margin ``p_1 - p_2`` (probability, in [0, 1]) at which a
-            token exits. ``0`` exits every token at ``min_layers``; any value ``>= 1`` disables
-            early exit (float32 softmax can saturate to a margin of exactly 1.0, so 1.0 is defined
-            as "never" to make it the full-depth baseline).
+        threshold: minimum softmax top-2 margin ``p_1 - p_2`` (a difference of probabilities,
+            so in [0, 1]) at which a token exits. ``0`` exits every token at ``min_layers``; ``1``
+            disables early exit (float32 softmax can saturate to a margin of exactly 1.0, so 1.0
+            is defined as "never" to make it the full-depth baseline). A value above 1 could
+            never be reached by a margin and is refused, as a mistyped percentage would be.
         min_layers: fewest layers a token runs before it may exit (layers), in [1, L].
 
     Raises:
-        ValueError: ``threshold`` negative or not finite, or ``min_layers`` not an integer >= 1.
+        ValueError: ``threshold`` not a number in [0, 1], or ``min_layers`` not an integer >= 1
+            (the message starts with the field).
     """
 
     threshold: float
@@ -68,15 +70,16 @@ class CalmConfig:
 
     def __post_init__(self) -> None:
         t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"threshold must be a finite number >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:  # NaN fails too
+            raise ValueError(f"threshold must be a number in [0, 1] (a top-2 softmax margin; 1 = never exit), "
+                             f"got {t!r}")
         m = self.min_layers
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"min_layers must be an integer >= 1, got {m!r}")
 
     @property
     def exits_early(self) -> bool:
-        """False when ``threshold >= 1`` (full depth for every token)."""
+        """False when ``threshold == 1`` (full depth for every token)."""
         return self.threshold < 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,8 +283,9 @@ def calm_generate(
 
     Raises:
         ValueError: more than one prompt (batch size > 1 is what SkipDecode solves; the message
-            explains why CALM cannot batch), invalid ``threshold``/``min_layers``, or the errors
-            of :func:`skipdecode.generate.encode_prompts`.
+            explains why CALM cannot batch), invalid ``threshold``/``min_layers``, ``stop`` as in
+            :func:`skipdecode.limits.check_stop`, or the errors of
+            :func:`skipdecode.generate.encode_prompts`.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -289,6 +293,7 @@ def calm_generate(
     if len(prompts) != 1:
         raise ValueError(_BATCH_ONE.format(B=len(prompts)))
     config = CalmConfig(threshold=threshold, min_layers=min_layers)
+    stop = check_stop(stop)
     tokenizer = model.tokenizer
     adapter = model.adapter
     device = next(adapter.model.parameters()).device
@@ -297,7 +302,6 @@ def calm_generate(
     if eos_token_ids is None:
         eos_token_ids = _eos_ids(tokenizer, adapter.model)
     eos = set(eos_token_ids)
-    stop = [s for s in stop if s]
 
     def text_of(ids: list[int]) -> str:
         return tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)

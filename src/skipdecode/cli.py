@@ -25,6 +25,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     MODEL_HELP,
     NO_ADAPTER_HELP,
     QUANTIZE_HELP,
+    as_option_error,
     check_output_folder,
     check_quantize_option,
     command_line,
@@ -33,7 +34,9 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     load_model,
     out,
     resolve_policy,
+    sampling_from_options,
     stock_weights_at_full_depth,
+    stop_from_options,
 )
 
 
@@ -51,8 +54,8 @@ def generate(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (same seed, same tokens)."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed in [-2**63, 2**63 - 1], as the server's (same seed, same tokens)."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4, none empty)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: if the tokenizer has one)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
@@ -71,12 +74,9 @@ def generate(
     if not all_prompts:
         fail("give at least one prompt (argument) or --prompts-file")
     from .generate import generate as run_generate
-    from .sampling import SamplingParams
 
-    try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    except ValueError as e:
-        fail(str(e))
+    sampling = sampling_from_options(temperature, top_k, top_p, seed)
+    stop = stop_from_options(stop)
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if max_batch_size < 1:
@@ -173,9 +173,9 @@ def eval_command(
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items (after --offset)."),
     offset: int = typer.Option(0, "--offset", help="Skip the first N items (evaluate a shard; join shards with benchmarks/plot_eval.py --concat)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per item (default: 64 for E2E/plain, 128 for CNN/DM)."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable; default: newline for E2E, none otherwise; --stop '' for none)."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4; default: newline for E2E, none otherwise; --stop '' alone for none)."),
     metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, nist, rouge1, rouge2, rougeL (default: by task)."),
-    calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold (repeatable)."),
+    calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold in [0, 1] (1: never exit; repeatable)."),
     calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="Fewest layers a CALM token runs before it may exit."),
     out_dir: Path = typer.Option(Path("eval_results"), "--out", "-o", help="Folder for NAME.json, NAME.md and NAME.png."),
     name: str = typer.Option("eval", "--name", help="Base name of the three output files."),
@@ -191,11 +191,21 @@ def eval_command(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
+    from .calm import CalmConfig
     from .data import DataError, load_eval_items, select_items, shared_data_path
     from .evaluate import TASKS, detect_task, evaluate
     from .loading import DEFAULT_MODEL
 
     check_quantize_option(quantize)
+    for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
+        try:
+            CalmConfig(threshold, calm_min_layers)
+        except ValueError as e:
+            fail(as_option_error(e, {"threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}))
+    # --stop '' alone means "no stop string" (the E2E default is a newline); otherwise the rule of
+    # skipdecode.limits, with \n and \t written as escapes
+    escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]
+    stops = [] if escaped == [""] else stop_from_options(escaped)
     if batch_size < 1:
         fail(f"--batch-size must be >= 1, got {batch_size}")
     if limit is not None and limit < 1:
@@ -236,7 +246,7 @@ def eval_command(
     try:
         report = evaluate(
             entries, items, specs, batch_size=batch_size, max_new_tokens=max_new_tokens,
-            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in stop] or None, task=eval_task, metrics=metrics or None, horizon=horizon,
+            stop=stops if stop else None, task=eval_task, metrics=metrics or None, horizon=horizon,
             calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
             progress=progress, command=command, data=str(data), sort_by_length=sort_by_length,
             inflight=inflight,

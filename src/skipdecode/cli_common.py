@@ -59,6 +59,48 @@ def stock_weights_at_full_depth(sk, policy, model_args: tuple):
     return load_model(*model_args, adapter=False)
 
 
+#: Python names of generation settings -> the CLI options that set them (for error messages:
+#: the library's ValueErrors start with the field, the CLI names the option instead).
+OPTION_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                "stop": "--stop"}
+
+
+def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
+    """The message of a library ``error`` whose first word is a field name (``"top_p must be in
+    (0, 1], got 2.0"``) with that word replaced by its CLI option (``"--top-p must be ..."``); other
+    messages unchanged."""
+    message = str(error)
+    head, sep, rest = message.partition(" ")
+    field = head.rstrip(":")
+    if field in options:
+        return options[field] + head[len(field):] + sep + rest
+    return message
+
+
+def sampling_from_options(temperature, top_k, top_p, seed):
+    """:class:`~skipdecode.sampling.SamplingParams` from the CLI options; exits 2 with one line
+    naming the option (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``) and its allowed
+    range when a value is out of range (the ranges are the library's, e.g. the seed's int64 range
+    of :mod:`skipdecode.limits`, the same as the server's)."""
+    from .sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except ValueError as e:
+        fail(as_option_error(e))
+
+
+def stop_from_options(stop) -> list:
+    """The ``--stop`` strings checked by :func:`skipdecode.limits.check_stop` (at most 4, none
+    empty); exits 2 with one line naming ``--stop`` otherwise."""
+    from .limits import check_stop
+
+    try:
+        return check_stop(list(stop), "--stop")
+    except ValueError as e:
+        fail(str(e))
+
+
 QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
 COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable).")

@@ -31,6 +31,7 @@ from .adapters import Adapter
 from .cache import SkipCache, SlotCache
 from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
+from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy
 from .sampling import Sampler, SamplingParams
 
@@ -360,8 +361,10 @@ def generate_inflight(
 
     Raises:
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
-            (before anything runs); ``max_batch_size`` < 1.
+            (before anything runs); ``max_batch_size`` < 1; ``stop`` as in
+            :func:`skipdecode.limits.check_stop`.
     """
+    stop = check_stop(stop)
     policy = policy or FullPolicy(adapter.num_layers)
     device = next(adapter.model.parameters()).device
     ids, mask = encode_prompts(tokenizer, prompts, chat=chat)

@@ -58,6 +58,7 @@ from .eval_policies import PolicySpec, is_single_spec, plan_rows, resolve_policy
 from .eval_report import EvalRow, Report
 from .eval_run import Progress, RunSettings, model_entries, run_models
 from .eval_tasks import TASKS, TaskSpec, detect_task
+from .limits import check_stop
 from .metrics import METRICS, score_all
 
 __all__ = [
@@ -128,7 +129,8 @@ def evaluate(
             next item at once, so a long item no longer holds its batch (batch-1 and CALM rows are
             unchanged). ``decode_steps`` then counts row-steps.
         max_new_tokens: tokens per item (None: the task's default, :data:`TASKS`).
-        stop: stop strings (None: the task's default; ``()`` for none).
+        stop: stop strings (None: the task's default; ``()`` for none; at most 4, none empty:
+            :func:`skipdecode.limits.check_stop`, whose ValueError names ``stop``).
         task: key of :data:`TASKS` (metric set, plotted metric, defaults).
         metrics: metric names overriding the task's (see :data:`skipdecode.metrics.METRICS`).
         horizon: horizon T (tokens) of speedup policies (None: each model's).
@@ -219,7 +221,7 @@ def _run_settings(spec: TaskSpec, items: list[EvalItem], batch_size: Any, max_ne
     max_new_tokens = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    stop = tuple(spec.stop if stop is None else (s for s in stop if s))
+    stop = tuple(spec.stop if stop is None else check_stop(stop))  # refused, not dropped: skipdecode.limits
     order = list(range(len(items)))
     if sort_by_length:
         order.sort(key=lambda i: -len(items[i].prompt))  # stable: ties keep file order

@@ -17,6 +17,7 @@ import torch
 from .adapters import Adapter
 from .cache import SkipCache
 from .forward import skip_forward
+from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy, theoretical_speedup
 from .prompts import Prompt, encode_prompt
 from .sampling import Sampler, SamplingParams
@@ -419,7 +420,7 @@ def stream_generate(
     policy: SkipPolicy | None = None,
     sampling: SamplingParams | None = None,
     max_new_tokens: int = 64,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] | str = (),
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
     _record: dict | None = None,
@@ -430,18 +431,20 @@ def stream_generate(
         adapter, policy, sampling, max_new_tokens: as in :func:`generate_step`.
         tokenizer: the model's HF tokenizer.
         prompts: the prompts: strings, conversations or token ids (see :func:`encode_prompts`).
-        stop: stop strings; a row stops when its text contains one (the text is cut before it).
+        stop: stop strings (one string, or up to 4 non-empty ones: :func:`skipdecode.limits.check_stop`);
+            a row stops when its text contains one (the text is cut before it).
         chat: apply the tokenizer's chat template.
         eos_token_ids: override of the EOS ids (default: tokenizer's and generation config's).
 
     Raises:
-        ValueError: as in :func:`encode_prompts` and :func:`generate_step`.
+        ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``stop`` holds more
+            than 4 strings, an empty one or a non-string (the message starts with ``stop``).
     """
+    stop = check_stop(stop)
     device = next(adapter.model.parameters()).device
     input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, device=device)
     if eos_token_ids is None:
         eos_token_ids = _eos_ids(tokenizer, adapter.model)
-    stop = [s for s in stop if s]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     B = input_ids.shape[0]
     rows = [RowText(tokenizer, eos_token_ids, stop) for _ in range(B)]
@@ -495,7 +498,7 @@ def generate(
     policy: SkipPolicy | None = None,
     sampling: SamplingParams | None = None,
     max_new_tokens: int = 64,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] | str = (),
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
     on_chunk: Callable[[StreamChunk], None] | None = None,
@@ -510,10 +513,12 @@ def generate(
     the same either way; seeded samples too (one generator per row).
 
     Raises:
-        ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1.
+        ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
+            ``stop`` as in :func:`stream_generate` (checked before anything runs).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    stop = check_stop(stop)
     policy = policy or FullPolicy(adapter.num_layers)
     if max_batch_size is not None:
         from .engine import generate_inflight

@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .adapters import UnsupportedArchitectureError
 from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
+from .peft_compat import quiet_peft_checkpointing_warning
 from .policy import policy_from_dict
 from .quantize import QuantizeError, check_quantize, quantize_model
+from .skip_config import SkipConfigError, read_skip_config, verify_weights
 
 __all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
 
@@ -144,7 +146,10 @@ def load(
 
     Raises:
         LoadError: the model cannot be found or read (message says what was tried), a weights
-            file is corrupt (names the file), skipdecode.json's policy does not fit the model, the
+            file is corrupt (names the file), a field of skipdecode.json has the wrong type
+            (names the file and the field, :mod:`skipdecode.skip_config`), a weight file differs
+            from the sha256 that skipdecode.json records for it (names the file), skipdecode.json's
+            policy or ``num_layers`` does not fit the model, the
             ``adapter`` folder cannot be read or does not fit the model, ``quantize`` is not None,
             "int8" or "int4" (names ``quantize``), ``compile`` is not a bool or a compile mode
             (names ``compile``), or ``compile="kernels"`` without ``quantize``.
@@ -185,13 +190,11 @@ def load(
             if not path.is_dir():
                 raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
             if (path / SKIP_CONFIG_NAME).exists():
-                try:
-                    skip_config = json.loads((path / SKIP_CONFIG_NAME).read_text())
-                except json.JSONDecodeError as err:
-                    raise LoadError(f"{path / SKIP_CONFIG_NAME} is not valid JSON: {err}") from None
-                if not isinstance(skip_config, dict):
-                    raise LoadError(f"{path / SKIP_CONFIG_NAME} must hold a JSON object, got "
-                                    f"{type(skip_config).__name__}")
+                try:  # every field type-checked, then the recorded weight checksums
+                    skip_config = read_skip_config(path / SKIP_CONFIG_NAME)
+                    verify_weights(path, skip_config)
+                except SkipConfigError as err:
+                    raise LoadError(str(err)) from None
             _check_weight_files(path)
             hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
@@ -220,6 +223,9 @@ def load(
             raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: its policy does not fit the model: {err}") from None
     else:
         sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
+        raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
+                        f"but the model has {sk.num_layers} layers; the file belongs to another model")
     return _accelerate(sk, quantize, compile)
 
 
@@ -287,7 +293,8 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
     base = load(base_name, dtype=dtype, adapter=False)
-    merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+        merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
     return merged, base.tokenizer
 
 
@@ -309,9 +316,10 @@ def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: 
             raise LoadError(f"adapter {adapter} is not a folder (expected a LoRA adapter folder)")
     try:
         meta = sa.read_adapter_config(path)
+        verify_weights(path, meta)
         hf_model = sa.merge_adapter(hf_model, path)
         summary = sa.adapter_summary(path, shipped=adapter is True)
-    except sa.AdapterError as e:
+    except (sa.AdapterError, SkipConfigError) as e:
         raise LoadError(str(e)) from None
     merged = {**skip_config, **{k: v for k, v in meta.items() if k != "losses"}, "skip_adapter": summary}
     return hf_model, merged, f"{source} + skip adapter {summary['path']}"

@@ -11,6 +11,8 @@ from typing import Any, Iterator, Sequence
 from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
+from .limits import check_stop
+from .skip_config import weight_checksums
 from .policy import FullPolicy, SkipPolicy, for_speedup
 from .prompts import Prompt
 from .sampling import SamplingParams
@@ -184,7 +186,7 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str = (),
         chat: bool | None = None,
         max_batch_size: int | None = None,
     ) -> GenerationResult:
@@ -216,12 +218,16 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | str = (),
         chat: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`)."""
+        """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`).
+
+        Raises ValueError at once (not at the first step) for a bad ``stop``
+        (:func:`skipdecode.limits.check_stop`); other bad arguments when iteration starts."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        stop = check_stop(stop)
         return stream_generate(
             self.adapter,
             self.tokenizer,
@@ -232,7 +238,8 @@ class SkipModel:
         )
 
     def save_pretrained(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:
-        """Write a normal HF checkpoint plus ``skipdecode.json`` (policy, chat flag, ``extra``).
+        """Write a normal HF checkpoint plus ``skipdecode.json`` (policy, chat flag, ``extra``, and
+        ``weights_sha256``: the sha256 of each weight file, which :func:`skipdecode.load` checks).
 
         The directory is written under a temporary name and renamed into place, so a crash never
         leaves a half-written checkpoint. Returns the directory path.
@@ -253,6 +260,7 @@ class SkipModel:
         config = dict(self.skip_config)
         config.update(policy=self.policy.to_dict(), chat=self.chat, num_layers=self.num_layers)
         config.update(extra or {})
+        config["weights_sha256"] = weight_checksums(tmp)  # verified by load() (skipdecode.skip_config)
         write_json_atomic(tmp / SKIP_CONFIG_NAME, config)
         apply_umask(tmp)
         if target.exists():

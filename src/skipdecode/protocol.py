@@ -7,7 +7,8 @@ checks that every field of those types is handled here. Each field of a request 
 - **supported**, with OpenAI's meaning: ``model``, ``prompt`` (a string, a list of strings, a
   list of token ids or a list of token-id lists), ``messages`` (roles ``system``, ``developer``,
   ``user``, ``assistant``; content a string or a list of text parts), ``max_tokens``,
-  ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``,
+  ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``
+  (a string or up to 4 non-empty strings),
   ``stream``, ``stream_options.include_usage``, ``n`` (only 1);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
   ``warmup_layers``, ``horizon``, ``top_k``;
@@ -34,6 +35,7 @@ from typing import Any, List, Literal, Mapping, Optional, Sequence, Union
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from .limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
 from .policy import SkipPolicy
 from .prompts import encode_prompt
 from .sampling import SamplingParams
@@ -46,6 +48,7 @@ __all__ = [
     "ContentPart",
     "DEFAULT_MAX_TOKENS",
     "IGNORED_FIELDS",
+    "MAX_STOP_STRINGS",
     "SEED_MAX",
     "SEED_MIN",
     "StreamOptions",
@@ -60,8 +63,8 @@ __all__ = [
 
 #: ``max_tokens`` when a request gives none (tokens); lowered to what the context leaves.
 DEFAULT_MAX_TOKENS = 64
-#: OpenAI's ``seed`` is an int64 (and ``torch.Generator.manual_seed`` takes any of them).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# SEED_MIN, SEED_MAX (OpenAI's int64 ``seed``) and the stop-string rule come from
+# skipdecode.limits, the one source that the Python API and the CLI use too.
 
 
 # --------------------------------------------------------------------------------------- errors
@@ -470,8 +473,10 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
     Raises:
         APIError: 404 for a ``model`` other than ``model_name``; 400 with ``param`` the field for
             an unsupported or unknown field, ``n`` > 1, ``stream_options`` without ``stream``, a
-            bad policy (values out of range for this model), bad sampling settings, a prompt that
-            cannot be encoded, or a prompt and token budget that do not fit the context.
+            bad policy (values out of range for this model), bad sampling settings, more than
+            :data:`~skipdecode.limits.MAX_STOP_STRINGS` or empty ``stop`` strings
+            (:func:`~skipdecode.limits.check_stop`), a prompt that cannot be encoded, or a prompt
+            and token budget that do not fit the context.
     """
     chat = isinstance(req, ChatCompletionRequest)
     _check_extras(req.model_extra, "chat" if chat else "completion")
@@ -484,9 +489,12 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "only allowed when stream is true")
     policy, sampling = _policy(req, model), _sampling(req)
+    try:
+        stop = check_stop(req.stop, "stop")
+    except ValueError as e:
+        raise APIError(400, str(e), param="stop") from None
     prompts = _chat_prompt(req, model.tokenizer) if chat else _text_prompts(req, model.tokenizer)
     max_new_tokens = _max_new_tokens(req, prompts, model.adapter.max_positions)
-    stop = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
     return ValidRequest(
         kind="chat" if chat else "text", prompts=prompts, policy=policy, sampling=sampling,
         max_new_tokens=max_new_tokens, stop=stop, stream=bool(req.stream),

@@ -17,6 +17,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .limits import SEED_MAX, SEED_MIN
+
 __all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
 
 #: Temperatures below this decode greedily (argmax), as vLLM (``_SAMPLING_EPS = 1e-5`` in
@@ -38,7 +40,9 @@ class SamplingParams:
         top_k: keep the k most likely tokens (0: no limit).
         top_p: nucleus sampling mass in (0, 1] (1: no limit).
         seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens;
-            an integer in [-2**63, 2**64 - 1], the range ``torch.Generator.manual_seed`` takes.
+            an integer in [:data:`~skipdecode.limits.SEED_MIN`, :data:`~skipdecode.limits.SEED_MAX`]
+            = [-2**63, 2**63 - 1] (int64, OpenAI's ``seed``; the server and the CLI take the same
+            range).
 
     Raises:
         ValueError: a field is out of range (the message names it).
@@ -57,9 +61,9 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):  # torch.Generator.manual_seed's range
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):  # one range for the API, the CLI and the server (skipdecode.limits)
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -65,17 +65,20 @@ def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         AdapterError: ``path`` is not a folder holding ``adapter_config.json``, or its
-            ``skipdecode.json`` is not valid JSON.
+            ``skipdecode.json`` is not valid JSON, not an object, or has a field of the wrong
+            type (:func:`skipdecode.skip_config.read_skip_config`; names the file and the field).
     """
+    from .skip_config import SkipConfigError, read_skip_config
+
     path = Path(path)
     if not (path / _CONFIG).is_file():
         raise AdapterError(f"adapter {path}: no {_CONFIG} there (not a LoRA adapter folder)")
     if not (path / _SKIP).is_file():
         return {}
     try:
-        return json.loads((path / _SKIP).read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"adapter {path / _SKIP}: not valid JSON ({e})") from None
+        return read_skip_config(path / _SKIP)
+    except SkipConfigError as e:
+        raise AdapterError(f"adapter {e}") from None
 
 
 def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
@@ -97,8 +100,11 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     path = Path(path)
     if not (path / _CONFIG).is_file() or not (path / _WEIGHTS).is_file():
         raise AdapterError(f"adapter {path}: needs {_CONFIG} and {_WEIGHTS}")
+    from .peft_compat import quiet_peft_checkpointing_warning
+
     try:
-        peft_model = PeftModel.from_pretrained(hf_model, str(path), autocast_adapter_dtype=True)
+        with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+            peft_model = PeftModel.from_pretrained(hf_model, str(path), autocast_adapter_dtype=True)
     except (RuntimeError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise AdapterError(f"adapter {path} does not fit this model: {first}") from None
@@ -161,12 +167,14 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     try:
         tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(str(src / _WEIGHTS)).items()}
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+        from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
         (tmp / _CONFIG).write_text(json.dumps(lora, indent=2, sort_keys=True) + "\n")
         meta = read_adapter_config(src)
         meta.pop("losses", None)
         meta["base_model"] = name
+        meta["weights_sha256"] = weight_checksums(tmp)  # of the float16 copy, not of the run's weights
         if isinstance(meta.get("training"), dict):
             meta["training"].get("config", {}).pop("out_dir", None)
         (tmp / _SKIP).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -18,6 +18,7 @@ import torch
 from ..data import DataError, Example, load_examples
 from ..generate import encode_prompts
 from ..policy import SkipPolicy
+from ..skip_config import sha256_file as _sha256_file  # one sha256 helper for data and checkpoints
 from .config import TrainConfig, TrainConfigError, _is_int
 
 __all__ = ["TokenizedExample", "Batch", "tokenize_examples", "collate", "build_layer_mask"]
@@ -290,14 +291,6 @@ def _as_examples(data: Any, config: TrainConfig, what: str) -> tuple[list[Exampl
             raise DataError(f"{what} holds no examples")
         return out, {"spec": "<in-memory>", "n_skipped_rows": 0}
     raise DataError(f"{what} must be a path, a dataset name or a list of Examples, got {type(data).__name__}")
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hash_examples(items: Sequence[TokenizedExample]) -> str:

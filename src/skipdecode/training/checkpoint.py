@@ -28,8 +28,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..model import SkipModel, write_json_atomic
+from ..model import SKIP_CONFIG_NAME, SkipModel, write_json_atomic
 from ..paths import writable_dir_problem
+from ..skip_config import SkipConfigError, read_skip_config, verify_weights
 from .batching import _sha256_file
 from .config import RESUME_FIELDS, TrainConfig, TrainConfigError
 
@@ -69,13 +70,15 @@ def _write_checksums(ckpt: Path) -> None:
 def verify_checkpoint(ckpt: Path) -> None:
     """Check every file recorded in ``train_state/checksums.json`` exists with its sha256.
 
-    Checkpoints written before checksums were recorded are accepted with a warning.
+    Without that record, the weight files are still checked against the ``weights_sha256`` of
+    the checkpoint's ``skipdecode.json`` (:mod:`skipdecode.skip_config`) when it has one;
+    checkpoints written before either was recorded are accepted with a warning.
 
     Raises:
         CheckpointError: a recorded file is missing or its content changed (names the file)."""
     record = ckpt / STATE_DIR / CHECKSUMS
     if not record.exists():
-        log.warning("%s has no %s (an older checkpoint): its files are not verified", ckpt, CHECKSUMS)
+        _verify_recorded_weights(ckpt)
         return
     try:
         sums = json.loads(record.read_text())
@@ -89,6 +92,19 @@ def verify_checkpoint(ckpt: Path) -> None:
         if _sha256_file(f) != digest:
             raise CheckpointError(f, "its content differs from the sha256 recorded when it was saved "
                                      "(corrupt, truncated or modified)")
+
+
+def _verify_recorded_weights(ckpt: Path) -> None:
+    """The fallback of :func:`verify_checkpoint`: the weights against skipdecode.json's sums."""
+    meta_file = ckpt / SKIP_CONFIG_NAME
+    try:
+        meta = read_skip_config(meta_file) if meta_file.is_file() else {}
+        if not meta.get("weights_sha256"):
+            log.warning("%s has no %s (an older checkpoint): its files are not verified", ckpt, CHECKSUMS)
+            return
+        verify_weights(ckpt, meta)
+    except SkipConfigError as err:
+        raise CheckpointError(err.path, err.problem) from None
 
 
 def _read(path: Path, loader: Callable[[Path], Any], what: str) -> Any:

@@ -13,11 +13,13 @@ from typing import Any, Sequence
 from ..data import TEMPLATES
 from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup
 
-__all__ = ["TrainConfig", "TrainConfigError", "build_policies", "RESUME_FIELDS", "TEACHER_FORCING_MODES"]
+__all__ = ["TrainConfig", "TrainConfigError", "build_policies", "RESUME_FIELDS", "TEACHER_FORCING_MODES", "TRAIN_SEED_MAX"]
 
 _SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
 _DEVICES = ("cpu", "cuda", "auto")
 TEACHER_FORCING_MODES = ("sparse", "masked")
+#: Largest training ``seed``: ``accelerate.utils.set_seed`` seeds numpy, which takes 0 .. 2**32 - 1.
+TRAIN_SEED_MAX = 2**32 - 1
 
 
 class TrainConfigError(ValueError):
@@ -82,7 +84,9 @@ class TrainConfig:
         warmup_ratio: share of steps of linear warm-up; ``warmup_steps`` (if set) overrides it.
         max_grad_norm: clip the global gradient norm to this (0: no clipping).
         gradient_checkpointing: recompute each layer in backward (HF activation checkpointing).
-        seed: seeds data order, validation split, policy choice, LoRA init and dropout.
+        seed: seeds data order, validation split, policy choice, LoRA init and dropout; in
+            [0, :data:`TRAIN_SEED_MAX`] (``accelerate.utils.set_seed`` also seeds numpy, whose
+            seeds are 32-bit). Not the sampling seed (:mod:`skipdecode.limits`).
         device: "cpu", "cuda" (Accelerate picks the process's GPU) or "auto".
         bf16: bf16 autocast (for GPUs; works but is slow on most CPUs).
         teacher_forcing: "sparse" (default): each layer runs only on the prefix of positions whose
@@ -271,6 +275,8 @@ def _check_optimisation(c: "TrainConfig") -> None:
         _fail("max_grad_norm", f"must be a number >= 0 (0: no clipping), got {c.max_grad_norm!r}")
     _check_bool(c, "gradient_checkpointing")
     _check_int(c, "seed", 0)
+    if c.seed > TRAIN_SEED_MAX:  # accelerate's set_seed seeds numpy too, which takes 32 bits only
+        _fail("seed", f"must be an integer in [0, {TRAIN_SEED_MAX}] (2**32 - 1: numpy's seed range), got {c.seed!r}")
     if not isinstance(c.device, str) or c.device not in _DEVICES:
         _fail("device", f"must be one of {', '.join(_DEVICES)}, got {c.device!r}")
     _check_bool(c, "bf16")

@@ -152,9 +152,12 @@ class _Run:
         if c.lora_r > 0:
             from peft import LoraConfig, get_peft_model
 
+            from ..peft_compat import quiet_peft_checkpointing_warning
+
             lora_cfg = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha or 2 * c.lora_r, lora_dropout=c.lora_dropout,
                                   target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
-            self.peft_model = get_peft_model(hf_model, lora_cfg)
+            with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+                self.peft_model = get_peft_model(hf_model, lora_cfg)
             inner = self.peft_model.base_model.model  # the HF model, LoRA layers injected in place
             trainable: nn.Module = self.peft_model
         else:

@@ -151,8 +151,11 @@ def _trainable_copy(model: SkipModel, lora_r: int) -> tuple[torch.nn.Module, Any
         return hf, get_adapter(hf)
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(hf, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear",
-                                               bias="none", task_type="CAUSAL_LM"))
+    from ..peft_compat import quiet_peft_checkpointing_warning
+
+    with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
+        peft_model = get_peft_model(hf, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear",
+                                                   bias="none", task_type="CAUSAL_LM"))
     return peft_model, get_adapter(peft_model.base_model.model)
 
 
