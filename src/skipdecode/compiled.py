@@ -147,7 +147,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             return CompileReport(enabled=False, mode=mode, backend="inductor", error=why)
     if mode == "kernels":
         for m in quantized:
-            m.compiled_kernel = True
+            m.compiled_kernel = m.fuses_when_compiled  # int4 with PyTorch's kernel: stays on it
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8

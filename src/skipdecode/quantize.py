@@ -14,18 +14,22 @@ Schemes (the weight-only schemes of GPTQ/AWQ-style inference engines and of PyTo
   ``q = round(W / s_n)`` in [-127, 127], ``W' = q * s_n``. Each weight moves by at most
   ``s_n / 2``, so each output moves by at most ``sum_k |x_k| * s_n / 2`` (the bound the tests
   check).
-- ``int4``: asymmetric, one scale and one minimum per group of ``group_size`` (32) consecutive
-  input channels: ``s = (max - min) / 15``, ``q = round((W - min) / s)`` in [0, 15],
-  ``W' = q * s + min`` (so each weight moves by at most ``s / 2``); two values packed per byte.
+- ``int4``: asymmetric, one bfloat16 step ``s`` and zero ``z`` per group of ``group_size`` (32)
+  consecutive input channels, ``W' = (q - 8) * s + z`` with codes ``q`` in [0, 15] (PyTorch's int4
+  kernel's convention; ``s`` about ``(max - min) / 15``, ``z = min + 8 s``; each weight moves by at
+  most ``s / 2``): :mod:`skipdecode.int4pack`.
 
 Kernels. Eagerly, int8 uses ``torch.ops.aten._weight_int8pack_mm`` for up to
 :data:`INT8PACK_MAX_ROWS` rows (PyTorch's weight-only kernel: it reads only the int8 weight, but
 on CPUs without AVX-512 it is slower than a float32 GEMV) and a dequantize-then-``F.linear``
-otherwise (prefill); int4 always dequantizes its group table (eager int4 saves memory, not time).
-Under ``torch.compile`` (``load(..., compile=True)``, :mod:`skipdecode.compiled`) the product is
+otherwise (prefill). int4 uses PyTorch's CPU kernel ``aten._weight_int4pack_mm_for_cpu`` (bfloat16
+activations, every row count, eager and compiled alike) wherever it exists and fits the layer's
+shape, and otherwise (no op, a failed self-test, a narrow or odd layer, a non-CPU weight)
+dequantizes its group table. Under ``torch.compile`` (``load(..., compile=True)``, :mod:`skipdecode.compiled`) the product is
 written as one broadcast multiply-and-sum, which inductor fuses into a single loop that reads the
-packed weight once and never materialises a float copy: that is the fast path (on the test CPU,
-AVX2, one thread, the 49152x576 LM head at batch 1: float32 7.2 ms, int8 fused 1.1 ms).
+packed weight once and never materialises a float copy: that is int8's fast path (on the test CPU,
+one thread, the 49152x576 LM head at batch 1: float32 7.2 ms, int8 fused 1.1 ms) and the
+fallback int4 layout's; int4 on PyTorch's kernel stays on it (0.8 ms there, eager).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import int4pack
 
 __all__ = [
     "QUANTIZE_MODES",
@@ -103,6 +109,9 @@ class _QuantLinear(nn.Module):
     #: set by :func:`skipdecode.compiled.compile_adapter` (mode "kernels"): decode steps run
     #: the product through the module-level compiled fused kernel
     compiled_kernel: bool = False
+    #: whether compile mode "kernels" should route this layer's decode-step product through the
+    #: compiled fused function (False where an eager kernel is the faster path)
+    fuses_when_compiled: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., K) float -> (..., N), as the float layer would compute it from ``W'``."""
@@ -161,23 +170,34 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    """Weight-only int4 linear layer: asymmetric, groups of ``group_size`` input channels.
+    """Weight-only int4 linear layer: groups of ``group_size`` input channels, each with a
+    bfloat16 step and zero (the scheme of :mod:`skipdecode.int4pack`: ``W' = (q - 8) s + z``).
 
     Args:
-        weight: (N, K) float weight; K must be a multiple of ``group_size``.
+        weight: (N, K) float weight; K even.
         bias: (N,) float bias or None.
-        group_size: input channels per (scale, minimum) pair, at most; halved until it
-            divides K (so a 16-wide layer uses groups of 16).
+        group_size: input channels per (step, zero) pair, at most; halved until it divides K
+            (so a 16-wide layer uses groups of 16).
+        kernel: use PyTorch's CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``). None
+            (default): whenever it exists, passes its self-test and takes this shape (group size
+            32-256 dividing K, N a multiple of 16, a CPU weight); False: never (the fallback).
 
-    Buffers: ``weight_int4`` (N, K // 2) uint8, two 4-bit codes per byte (low nibble = even
-    input channel); ``scale`` and ``minimum`` (N, K // group_size) in the weight's dtype.
-    ``forward``: (..., K) -> (..., N).
+    Buffers: ``scales_and_zeros`` (K // group_size, N, 2) bfloat16 (step, zero) per group, and
+    either ``weight_int4pack`` (N, K // 2) uint8 in the kernel's layout (``self.kernel`` True) or
+    ``weight_int4`` (N, K // 2) uint8, two codes per byte, low nibble = even input channel (the
+    fallback; ``self.kernel_note`` says why). ``forward``: (..., K) -> (..., N). With the kernel
+    the activations are rounded to bfloat16 (error bound in :mod:`skipdecode.int4pack`); the
+    fallback computes in the input's dtype with the dequantized weight.
 
     Raises:
-        QuantizeError: K is odd.
+        QuantizeError: K is odd; ``kernel=True`` where the kernel cannot be used (says why);
+            ``forward`` of a kernel-packed layer on a non-CPU input.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE,
+        kernel: bool | None = None,
+    ) -> None:
         N, K = weight.shape
         while group_size > 2 and K % group_size:
             group_size //= 2  # narrow layers: the largest power of two dividing K
@@ -185,32 +205,56 @@ class Int4Linear(_QuantLinear):
             raise QuantizeError(f"int4 needs an even number of input features, got {K}")
         super().__init__(K, N, bias)
         self.group_size = group_size
-        w = weight.detach().float().reshape(N, K // group_size, group_size)
-        lo, hi = w.amin(-1), w.amax(-1)
-        scale = (hi - lo) / 15.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(N, K)
-        self.register_buffer("weight_int4", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())
-        self.register_buffer("scale", scale.to(weight.dtype))
-        self.register_buffer("minimum", lo.to(weight.dtype))
+        codes, scales_and_zeros = int4pack.quantize_groups(weight, group_size)
+        why = "kernel=False" if kernel is False else int4pack.kernel_unusable(N, K, group_size, weight.device)
+        packed = None
+        if not why:
+            try:
+                packed = int4pack.pack(codes)
+            except Exception as exc:  # the op refuses this shape: keep the fallback layout
+                why = f"{type(exc).__name__}: " + " ".join(str(exc).split())[:200]
+        if kernel and packed is None:
+            raise QuantizeError(f"kernel=True but the int4 kernel cannot run this layer: {why}")
+        self.kernel = packed is not None
+        self.kernel_note = why
+        if self.kernel:
+            self.register_buffer("weight_int4pack", packed)
+        else:
+            self.register_buffer("weight_int4", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(weight.device))
 
-    def _codes(self, dtype: torch.dtype) -> torch.Tensor:
+    #: compile mode "kernels" routes decode steps through the fused compiled function only for
+    #: the fallback layout; the kernel is faster eagerly (docs/quantization.md, measured)
+    @property
+    def fuses_when_compiled(self) -> bool:
+        """True for the fallback layout (its compiled fused product is its fast path)."""
+        return not self.kernel
+
+    def codes(self) -> torch.Tensor:
+        """The int4 codes ``q`` (N, K) uint8 in [0, 15] (read back through the kernel if packed)."""
+        if self.kernel:
+            return int4pack.unpack_codes(self.weight_int4pack, self.group_size, self.out_features, self.in_features)
         packed = self.weight_int4
-        q = torch.stack([packed & 15, packed >> 4], dim=-1)  # (N, K/2, 2)
-        return q.reshape(self.out_features, self.in_features // self.group_size, self.group_size).to(dtype)
+        return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight the layer computes with, ``q * scale + minimum``: (N, K)."""
-        w = self._codes(self.scale.dtype) * self.scale[..., None] + self.minimum[..., None]
-        return w.reshape(self.out_features, self.in_features)
+        """The weight the layer computes with, ``(q - 8) * s + z``: (N, K) float32."""
+        return int4pack.dequantize(self.codes(), self.scales_and_zeros)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        return _fused_int4(x, self.weight_int4, self.scale, self.minimum)
+        if self.kernel:  # inside a compiled region: the same aten op (an extern call for inductor)
+            return self._eager(x)
+        return _fused_int4(x, self.weight_int4, self.scales_and_zeros)
 
     def _kernel_args(self) -> tuple[torch.Tensor, ...]:
-        return (self.weight_int4, self.scale, self.minimum)
+        return (self.weight_int4, self.scales_and_zeros)
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            if x.device.type != "cpu":
+                raise QuantizeError(f"int4 weights packed for the CPU kernel cannot run on {x.device.type}; "
+                                    "quantize after moving the model")
+            return int4pack.pack_mm(x, self.weight_int4pack, self.group_size, self.scales_and_zeros)
         return F.linear(x, self.dequantized().to(x.dtype))
 
 
@@ -220,12 +264,14 @@ def _fused_int8(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor)
     return (x[:, None, :] * weight_int8.to(x.dtype)[None]).sum(-1) * scale.to(x.dtype)
 
 
-def _fused_int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """(M, K) x packed int4 (N, K/2) with group ``scale``/``minimum`` (N, G) -> (M, N)."""
-    N, G = scale.shape
+def _fused_int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """(M, K) x nibble-packed int4 (N, K/2) with group (step, zero) pairs (G, N, 2) -> (M, N),
+    ``W' = (q - 8) s + z``, as one broadcast multiply-and-sum for inductor to fuse."""
+    G, N = scales_and_zeros.shape[:2]
     K = x.shape[1]
     q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(N, G, K // G).to(x.dtype)
-    w = q * scale.to(x.dtype)[..., None] + minimum.to(x.dtype)[..., None]
+    sz = scales_and_zeros.to(x.dtype).transpose(0, 1)  # (N, G, 2)
+    w = (q - 8) * sz[..., 0:1] + sz[..., 1:2]
     return (x.reshape(x.shape[0], 1, G, K // G) * w[None]).sum((-1, -2))
 
 
