@@ -71,13 +71,12 @@ def _fail(message: str) -> None:
 
 
 def _ints(text: str, name: str) -> list[int]:
+    from skipdecode.bench import parse_int_list
+
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        _fail(f"--{name} must be a comma list of integers >= 1 such as 1,8, got {text!r}")
-    return values
+        return parse_int_list(text, f"--{name}")
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _table(result: dict) -> Table:

@@ -70,7 +70,7 @@ def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--kernels", "float32,int3"], "--kernels items must be float32, int8pack, int8fused, int4pack, int4fused, got 'int3'"),
-    (["--batch-sizes", "0"], "--batch-sizes must be a comma list of integers >= 1"),
+    (["--batch-sizes", "0"], "--batch-sizes must be comma-separated integers >= 1, got '0'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_kernel_speed_bad_arguments_exit_2(args, message, capsys):
