@@ -69,6 +69,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--static", action="store_true",
                    help="static batches that wait for their longest item (default: in-flight batching, "
                         "--batch-size rows at most; compare the two with --name)")
+    p.add_argument("--cohort-size", type=int, default=1,
+                   help="in-flight: waiting items join the running rows in cohorts of at least this many "
+                        "(1: every free slot at once; fewer distinct decode steps per batch when larger)")
     p.add_argument("--sort-by-length", action="store_true",
                    help="batch prompts of similar length together (less padding; outputs stay in item order)")
     return p.parse_args(argv)
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             task=args.task, calm_thresholds=args.calm_threshold, calm_min_layers=args.calm_min_layers,
             calm_models=[calm_model] if args.calm_threshold else None, progress=not args.no_progress,
             command=command, data=str(data), sort_by_length=args.sort_by_length, inflight=not args.static,
+            cohort_size=args.cohort_size,
         )
     except (DataError, ValueError) as e:
         _die(str(e))

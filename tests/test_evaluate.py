@@ -115,6 +115,29 @@ def test_inflight_eval_same_generations_and_row_step_speedup(sk, items_file):
     assert skip.theoretical_speedup == pytest.approx(L * row_steps / row_layers)
 
 
+def test_inflight_eval_cohorts_reach_the_engine_and_keep_generations(sk, items_file, monkeypatch):
+    """cohort_size goes to the in-flight engine (recorded in meta), the generations are unchanged,
+    and a cohort larger than the batch is refused naming cohort_size."""
+    import skipdecode.engine as engine_mod
+
+    items = load_eval_items(items_file)
+    base = evaluate(sk, items, [2.0], batch_size=3, max_new_tokens=9, stop=(), warmup=False, inflight=True)
+    seen = []
+    real = engine_mod.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("cohort_size"))
+        real(self, *a, **kw)
+    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    cohort = evaluate(sk, items, [2.0], batch_size=3, max_new_tokens=9, stop=(), warmup=False, inflight=True,
+                      cohort_size=2)
+    assert seen and set(seen) == {2} and cohort.meta["cohort_size"] == 2 and base.meta["cohort_size"] == 1
+    for a, b in zip(base.rows, cohort.rows):
+        assert a.generations == b.generations
+    with pytest.raises(ValueError, match="cohort_size"):
+        evaluate(sk, items, [2.0], batch_size=3, max_new_tokens=9, stop=(), warmup=False, inflight=True, cohort_size=4)
+
+
 def test_sort_by_length_batches_by_length_and_keeps_item_order(sk, items_file, monkeypatch):
     items = list(load_eval_items(items_file))
     one = {it.prompt: evaluate(sk, [it], [2.0], batch_size=1, max_new_tokens=6, stop=(), warmup=False)

@@ -50,9 +50,9 @@ def solo(adapter, ids: list[int], policy, n_new: int, sampling=None):
     return toks, torch.stack(logits)
 
 
-def run_inflight(adapter, requests, join_steps, max_batch_size=8):
+def run_inflight(adapter, requests, join_steps, max_batch_size=8, cohort_size=1):
     """Submit request i just before engine step ``join_steps[i]``; collect tokens/logits per request."""
-    eng = Engine(adapter, max_batch_size=max_batch_size, keep_logits=True)
+    eng = Engine(adapter, max_batch_size=max_batch_size, keep_logits=True, cohort_size=cohort_size)
     got = {id(r): ([], []) for r in requests}
     step = 0
     pending = sorted(range(len(requests)), key=lambda i: join_steps[i])
@@ -92,6 +92,51 @@ def test_finished_rows_are_replaced_and_match_solo(family):
         want_toks, want_logits = solo(adapter, list(req.prompt_ids), req.policy, req.max_new_tokens)
         assert toks == want_toks
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cohorts_join_only_when_enough_slots_are_free_and_answers_are_unchanged():
+    """cohort_size 3 on 4 slots, ten requests of different lengths: after the first prefill a
+    waiting request joins only at a step where >= 3 slots (or all the waiting requests) fit, so
+    rows join in groups; each row's tokens and logits still equal its solo run."""
+    adapter = adapter_of("llama")
+    cases = [(3 + i % 4, i % 4, 3 + (5 * i) % 7) for i in range(10)]  # (prompt length, policy, new tokens)
+    reqs = [Request(prompt(n, 40 + i), m, POLICIES[p]) for i, (n, p, m) in enumerate(cases)]
+    eng, results = run_inflight(adapter, reqs, [0] * len(reqs), max_batch_size=4, cohort_size=3)
+    for req, (toks, logits) in zip(reqs, results):
+        want_toks, want_logits = solo(adapter, list(req.prompt_ids), req.policy, req.max_new_tokens)
+        assert toks == want_toks
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    sizes = _join_sizes(adapter, reqs, cohort_size=3)
+    assert sizes[0] == 4 and sum(sizes) == 10
+    assert all(k >= 3 for k in sizes[1:-1]) and sizes[-1] >= 1
+    # the rule is what makes the groups: one slot at a time otherwise
+    ones = _join_sizes(adapter, reqs, cohort_size=1)
+    assert sum(ones) == 10 and min(ones[1:]) < 3
+
+
+def _join_sizes(adapter, reqs, cohort_size):
+    """Requests joining at each admitting engine step (in order), checking at every step that
+    requests were held back only when no cohort fitted."""
+    eng = Engine(adapter, max_batch_size=4, cohort_size=cohort_size)
+    for r in reqs:
+        eng.submit(Request(list(r.prompt_ids), r.max_new_tokens, r.policy))
+    sizes = []
+    while eng.busy:
+        waiting_before = len(eng.waiting)
+        eng.step()
+        joined = waiting_before - len(eng.waiting)
+        if joined:
+            sizes.append(joined)
+        elif waiting_before:  # held back: no cohort fitted in the slots free after decoding
+            assert eng.running and len(eng.free_slots) < min(cohort_size, waiting_before)
+    return sizes
+
+
+def test_cohort_size_out_of_range_is_refused():
+    adapter = adapter_of("llama")
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(ValueError, match="cohort_size"):
+            Engine(adapter, max_batch_size=4, cohort_size=bad)
 
 
 def test_hooks_count_exactly_the_rows_whose_plan_holds_each_layer(family):

@@ -124,14 +124,24 @@ class Engine:
         adapter: the model's adapter.
         max_batch_size: most rows decoding at once (slots), >= 1.
         keep_logits: attach each token's logits to its :class:`TokenEvent` (tests).
+        cohort_size: waiting requests join the running rows only as a cohort of at least this
+            many (rows), 1 <= ``cohort_size`` <= ``max_batch_size``; fewer join when fewer wait
+            (all that wait fit) or when no row runs. 1 (default) fills every free slot at the next
+            step (lowest time to first token). Larger cohorts keep the running rows at fewer
+            distinct decode steps, so a step runs fewer layers: under one decaying schedule a
+            step reads the layers of its youngest row (docs/inflight-batching.md).
 
     Raises:
-        ValueError: ``max_batch_size`` < 1.
+        ValueError: ``max_batch_size`` < 1, or ``cohort_size`` outside [1, ``max_batch_size``].
     """
 
-    def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False) -> None:
+    def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
+                 cohort_size: int = 1) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
+            raise ValueError(f"cohort_size must be an integer in [1, max_batch_size={max_batch_size}], got {cohort_size!r}")
+        self.cohort_size = cohort_size
         self.adapter = adapter
         self.max_batch_size = max_batch_size
         self.keep_logits = keep_logits
@@ -199,13 +209,20 @@ class Engine:
         self._drop_cancelled()
         events = self._decode() if self.running else []
         joiners = []
-        while self.waiting and len(joiners) < len(self.free_slots):
-            joiners.append(self.waiting.popleft())
+        if self._cohort_may_join():
+            while self.waiting and len(joiners) < len(self.free_slots):
+                joiners.append(self.waiting.popleft())
         if joiners:
             events += self._prefill(joiners)
         self.steps += 1
         self.generated_tokens += len(events)
         return events
+
+    def _cohort_may_join(self) -> bool:
+        """Whether waiting requests join at this step: no row runs, or the free slots hold a
+        cohort of ``cohort_size`` rows, or every waiting request."""
+        free = len(self.free_slots)
+        return bool(self.waiting) and (not self.running or free >= min(self.cohort_size, len(self.waiting)))
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
@@ -348,9 +365,11 @@ def generate_inflight(
     eos_token_ids: Sequence[int] | None = None,
     on_chunk: Callable[[StreamChunk], None] | None = None,
     max_batch_size: int = 32,
+    cohort_size: int = 1,
 ) -> GenerationResult:
     """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
-    is a row with its own decode step; at most ``max_batch_size`` rows decode at once.
+    is a row with its own decode step; at most ``max_batch_size`` rows decode at once, and waiting
+    prompts join in cohorts of at least ``cohort_size`` rows (:class:`Engine`).
 
     Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
     and in decode steps; ``layers_run`` holds one entry per row per decode step, and
@@ -361,7 +380,8 @@ def generate_inflight(
 
     Raises:
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
-            (before anything runs); ``max_batch_size`` < 1; ``stop`` as in
+            (before anything runs); ``max_batch_size`` < 1; ``cohort_size`` outside
+            [1, ``max_batch_size``]; ``stop`` as in
             :func:`skipdecode.limits.check_stop`.
     """
     stop = check_stop(stop)
@@ -372,7 +392,7 @@ def generate_inflight(
         eos_token_ids = _eos_ids(tokenizer, adapter.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
-    engine = Engine(adapter, max_batch_size)
+    engine = Engine(adapter, max_batch_size, cohort_size=cohort_size)
     requests = [
         Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
                 texts[i].stopped if texts[i].stop else None, tag=i)

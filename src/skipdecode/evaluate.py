@@ -110,6 +110,7 @@ def evaluate(
     data: str | None = None,
     sort_by_length: bool = False,
     inflight: bool = False,
+    cohort_size: int = 1,
 ) -> Report:
     """Generate for ``items`` with every model under every policy, then score and time each row.
 
@@ -128,6 +129,8 @@ def evaluate(
             (:func:`~skipdecode.generate.generate_inflight`): a finished item's slot goes to the
             next item at once, so a long item no longer holds its batch (batch-1 and CALM rows are
             unchanged). ``decode_steps`` then counts row-steps.
+        cohort_size: with ``inflight``, waiting items join the running rows only in cohorts of
+            at least this many (1 <= ``cohort_size`` <= ``batch_size``; :class:`skipdecode.engine.Engine`).
         max_new_tokens: tokens per item (None: the task's default, :data:`TASKS`).
         stop: stop strings (None: the task's default; ``()`` for none; at most 4, none empty:
             :func:`skipdecode.limits.check_stop`, whose ValueError names ``stop``).
@@ -161,7 +164,7 @@ def evaluate(
     start_run = time.perf_counter()
     items = _checked_items(task, items)
     settings = _run_settings(TASKS[task], items, batch_size, max_new_tokens, stop, chat=chat, warmup=warmup,
-                             inflight=inflight, sort_by_length=sort_by_length)
+                             inflight=inflight, sort_by_length=sort_by_length, cohort_size=cohort_size)
     metrics, quality = _checked_metrics(TASKS[task], metrics)
     entries, plan = _planned_models(models, policies, horizon, batch_size, calm_thresholds, calm_min_layers,
                                     calm_models)
@@ -209,15 +212,18 @@ def _checked_metrics(spec: TaskSpec, metrics: Sequence[str] | None) -> tuple[tup
 
 def _run_settings(spec: TaskSpec, items: list[EvalItem], batch_size: Any, max_new_tokens: Any,
                   stop: Sequence[str] | None, *, chat: bool | None, warmup: bool, inflight: bool,
-                  sort_by_length: bool) -> RunSettings:
+                  sort_by_length: bool, cohort_size: Any = 1) -> RunSettings:
     """The generation settings of :func:`evaluate` (task defaults filled in) and its batches: file
     order, or prompts longest first (characters; ties keep file order) with ``sort_by_length``.
 
     Raises:
-        ValueError: ``batch_size`` or ``max_new_tokens`` is not an integer >= 1.
+        ValueError: ``batch_size`` or ``max_new_tokens`` is not an integer >= 1, or
+            ``cohort_size`` is not an integer in [1, ``batch_size``].
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= batch_size:
+        raise ValueError(f"cohort_size must be an integer in [1, batch_size={batch_size}], got {cohort_size!r}")
     max_new_tokens = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -226,7 +232,8 @@ def _run_settings(spec: TaskSpec, items: list[EvalItem], batch_size: Any, max_ne
     if sort_by_length:
         order.sort(key=lambda i: -len(items[i].prompt))  # stable: ties keep file order
     batches = [[items[j] for j in order[i : i + batch_size]] for i in range(0, len(items), batch_size)]
-    return RunSettings(batches, order, batch_size, max_new_tokens, stop, chat, warmup, inflight, sort_by_length)
+    return RunSettings(batches, order, batch_size, max_new_tokens, stop, chat, warmup, inflight, sort_by_length,
+                       cohort_size)
 
 
 def _planned_models(models: Any, policies: Any, horizon: int | None, batch_size: int,
@@ -277,6 +284,7 @@ def _meta(settings: RunSettings, *, command: str | None, data: str | None, task:
         "batch_size": settings.batch_size,
         "sort_by_length": bool(settings.sort_by_length),
         "inflight": bool(settings.inflight),
+        "cohort_size": settings.cohort_size,
         "max_new_tokens": settings.max_new_tokens,
         "stop": list(settings.stop),
         "models": models,

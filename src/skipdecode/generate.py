@@ -503,14 +503,17 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     on_chunk: Callable[[StreamChunk], None] | None = None,
     max_batch_size: int | None = None,
+    cohort_size: int = 1,
 ) -> GenerationResult:
     """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
 
     Arguments as in :func:`stream_generate`; ``on_chunk`` is called with each streamed chunk.
     ``max_batch_size`` (rows) switches from one static batch to in-flight batching
     (:func:`skipdecode.engine.generate_inflight`): at most that many rows decode at once and a finished row's slot
-    goes to the next prompt at once, so a long row no longer holds the others. Greedy texts are
-    the same either way; seeded samples too (one generator per row).
+    goes to the next prompt at once, so a long row no longer holds the others; ``cohort_size``
+    (in-flight only) makes waiting prompts join in groups of at least that many
+    (:class:`skipdecode.engine.Engine`). Greedy texts are the same either way; seeded samples too
+    (one generator per row).
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
@@ -526,6 +529,7 @@ def generate(
         return generate_inflight(
             adapter, tokenizer, prompts, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
             stop=stop, chat=chat, eos_token_ids=eos_token_ids, on_chunk=on_chunk, max_batch_size=max_batch_size,
+            cohort_size=cohort_size,
         )
     record: dict = {}
     for chunk in stream_generate(

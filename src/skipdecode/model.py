@@ -189,11 +189,13 @@ class SkipModel:
         stop: Sequence[str] | str = (),
         chat: bool | None = None,
         max_batch_size: int | None = None,
+        cohort_size: int = 1,
     ) -> GenerationResult:
         """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
         prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
         token ids, encoded by :func:`skipdecode.prompts.encode_prompt`. ``max_batch_size`` (rows)
-        runs the prompts with in-flight batching.
+        runs the prompts with in-flight batching, waiting prompts joining in cohorts of at least
+        ``cohort_size`` rows (:class:`skipdecode.engine.Engine`).
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field).
@@ -205,6 +207,7 @@ class SkipModel:
             max_new_tokens=max_new_tokens,
             stop=stop,
             max_batch_size=max_batch_size,
+            cohort_size=cohort_size,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
         )
 
