@@ -274,6 +274,9 @@ class Runner:
             rec = result.to_dict()
             rec.update(out_dir=repo_relative(rec["out_dir"]), final_dir=repo_relative(rec["final_dir"]),
                        resumed_from=rec["resumed_from"] and repo_relative(rec["resumed_from"]))
+            for key in ("spec", "path"):  # the data file, relative to the repository (results stay portable)
+                if isinstance(rec.get("data", {}).get(key), str):
+                    rec["data"][key] = repo_relative(rec["data"][key])
             rec["config"]["out_dir"] = repo_relative(rec["config"]["out_dir"])
             write_json_atomic(record_path, rec)
             return "ok", {"train_steps": result.steps, "examples": result.examples_seen,
