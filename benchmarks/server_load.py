@@ -53,6 +53,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="inflight,serial", help="inflight and/or serial")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
+    p.add_argument("--cohort-size", type=int, default=1,
+                   help="in-flight server: waiting requests join in cohorts of at least this many rows")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--name", default="server_load", help="results base name under --out")
@@ -68,6 +70,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.modes = args.modes.split(",")
     if not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1:
         p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1")
+    if not 1 <= args.cohort_size <= args.max_batch_size:
+        p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args
 
 
@@ -97,6 +101,8 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         cmd.append("--no-adapter")
     if serial:
         cmd.append("--serial")
+    elif args.cohort_size != 1:
+        cmd += ["--cohort-size", str(args.cohort_size)]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / f"{args.name}.json"
     result = {
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
-        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "device": args.device,
+        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
+        "cohort_size": args.cohort_size, "device": args.device,
         "dtype": args.dtype, "rows": rows, "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

@@ -1,6 +1,7 @@
 """Serve the tiny random llama of conftest on loopback (for tests/test_server_loopback.py).
 
-    python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--step-delay S]
+    python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
+                                [--step-delay S]
 
 ``--step-delay S`` sleeps S seconds in every forward pass of the engine, so that the tiny model
 decodes at the pace of a real one and a test can observe what happens *during* a long generation.
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--serial", action="store_true")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-waiting", type=int, default=256)
+    parser.add_argument("--cohort-size", type=int, default=1)
     parser.add_argument("--step-delay", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -47,8 +49,9 @@ def main() -> None:
 
             module.skip_forward = slow
     kwargs = {}
-    if args.serial or args.max_batch_size != 32 or args.max_waiting != 256:
-        kwargs = dict(serial=args.serial, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
+    if args.serial or args.max_batch_size != 32 or args.max_waiting != 256 or args.cohort_size != 1:
+        kwargs = dict(serial=args.serial, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting,
+                      cohort_size=args.cohort_size)
     app = create_app(SkipModel(make_model("llama"), make_tokenizer()), "tiny", **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 

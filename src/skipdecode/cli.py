@@ -21,11 +21,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 from .cli_common import (  # noqa: E402  (shared with cli_bench)
+    COHORT_HELP,
     COMPILE_HELP,
     MODEL_HELP,
     NO_ADAPTER_HELP,
     QUANTIZE_HELP,
     as_option_error,
+    check_cohort_option,
     check_output_folder,
     check_quantize_option,
     command_line,
@@ -63,6 +65,7 @@ def generate(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
+    cohort_size: int = typer.Option(1, "--cohort-size", help="Several prompts: " + COHORT_HELP.format(what="prompts")),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
@@ -79,8 +82,7 @@ def generate(
     stop = stop_from_options(stop)
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if max_batch_size < 1:
-        fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
     sk = load_model(model, device, dtype, chat, quantize, compile, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, chat, quantize, compile))
@@ -118,7 +120,7 @@ def generate(
         result = run_generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
-            max_batch_size=None if single else max_batch_size,
+            max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
         )
     except ValueError as e:
         fail(str(e))
@@ -188,6 +190,7 @@ def eval_command(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
+    cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
@@ -206,8 +209,9 @@ def eval_command(
     # skipdecode.limits, with \n and \t written as escapes
     escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]
     stops = [] if escaped == [""] else stop_from_options(escaped)
-    if batch_size < 1:
-        fail(f"--batch-size must be >= 1, got {batch_size}")
+    check_cohort_option(cohort_size, batch_size, "--batch-size")
+    if cohort_size > 1 and not inflight:
+        fail("--cohort-size applies to in-flight batching; drop it or --static")
     if limit is not None and limit < 1:
         fail(f"--limit must be >= 1, got {limit}")
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -249,7 +253,7 @@ def eval_command(
             stop=stops if stop else None, task=eval_task, metrics=metrics or None, horizon=horizon,
             calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
             progress=progress, command=command, data=str(data), sort_by_length=sort_by_length,
-            inflight=inflight,
+            inflight=inflight, cohort_size=cohort_size,
         )
     except (DataError, ValueError) as e:
         fail(str(e))
@@ -396,6 +400,7 @@ def serve(
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most rows decoding at once (in-flight batching)."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
+    cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
@@ -404,8 +409,9 @@ def serve(
     check_quantize_option(quantize)
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
-    if max_batch_size < 1:
-        fail(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
+    if cohort_size > 1 and serial:
+        fail("--cohort-size applies to in-flight batching; drop it or --serial")
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
@@ -416,7 +422,8 @@ def serve(
     from .server import create_app
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
-    app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial)
+    app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
+                      cohort_size=cohort_size)
     uvicorn.run(app_, host=host, port=port, log_level="info")
 
 

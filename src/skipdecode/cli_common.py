@@ -105,6 +105,18 @@ QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4
 COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable).")
 
+COHORT_HELP = ("Waiting {what} join the running rows only in cohorts of at least this many (1: at once; larger: "
+               "rows sit at fewer decode steps, so a step runs fewer layers; docs/inflight-batching.md).")
+
+
+def check_cohort_option(cohort_size: int, batch_size: int, batch_option: str) -> None:
+    """Exit 2 with a one-line error unless ``batch_size`` >= 1 and 1 <= ``cohort_size`` <= ``batch_size``
+    (the rule of :class:`skipdecode.engine.Engine`); ``batch_option`` names the batch-size option."""
+    if batch_size < 1:
+        fail(f"{batch_option} must be >= 1, got {batch_size}")
+    if not 1 <= cohort_size <= batch_size:
+        fail(f"--cohort-size must be in [1, {batch_option}={batch_size}], got {cohort_size}")
+
 
 def check_quantize_option(quantize) -> None:
     """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""

@@ -33,16 +33,21 @@ class Scheduler:
         adapter: the model's adapter.
         max_batch_size: most rows decoding at once, >= 1 (1 serves one request at a time).
         max_waiting: most requests (rows) waiting for a slot, >= 0.
+        cohort_size: waiting requests join the running rows in cohorts of at least this many
+            rows, 1 <= ``cohort_size`` <= ``max_batch_size`` (:class:`Engine`; 1 = every free slot
+            is filled at the next step).
 
     Raises:
-        ValueError: ``max_batch_size`` < 1 or ``max_waiting`` < 0.
+        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, or ``cohort_size`` outside
+            [1, ``max_batch_size``].
     """
 
-    def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256) -> None:
+    def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256,
+                 cohort_size: int = 1) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
-        self.engine = Engine(adapter, max_batch_size)
+        self.engine = Engine(adapter, max_batch_size, cohort_size=cohort_size)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.cancelled = 0
@@ -104,6 +109,7 @@ class Scheduler:
                 "cancelled": self.cancelled,
                 "max_batch_size": self.max_batch_size,
                 "max_waiting": self.max_waiting,
+                "cohort_size": self.engine.cohort_size,
             }
 
     def close(self) -> None:

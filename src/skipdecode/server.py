@@ -114,12 +114,14 @@ def create_app(
     max_waiting: int = 256,
     serial: bool = False,
     max_request_bytes: int = 1_000_000,
+    cohort_size: int = 1,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
     Requests share forward passes through one in-flight :class:`~skipdecode.scheduler.Scheduler`
     (``max_batch_size`` rows decode at once, ``max_waiting`` rows may wait for a slot; a full
-    queue answers 429). ``serial`` serves one row at a time (the one-at-a-time design, kept for
+    queue answers 429; waiting requests join in cohorts of at least ``cohort_size`` rows, see
+    :class:`~skipdecode.engine.Engine`). ``serial`` serves one row at a time (the one-at-a-time design, kept for
     comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
     before it is read. The app's ``state.scheduler`` is the scheduler (``/health`` reports it).
 
@@ -129,10 +131,15 @@ def create_app(
     error, broken JSON, ``stream_options`` without ``stream``) answer HTTP 400 with ``param`` the
     field and a message naming it; a ``model`` other than ``model_name`` answers 404; an
     unexpected exception answers 500 (type ``server_error``).
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, or ``cohort_size`` outside
+            [1, ``max_batch_size``] (:class:`~skipdecode.scheduler.Scheduler`).
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
-    scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting)
+    scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
+                          cohort_size=1 if serial else cohort_size)
     executor = Executor(model, scheduler)
     app.state.scheduler = scheduler
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)

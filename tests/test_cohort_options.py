@@ -1,0 +1,141 @@
+"""Cohort admission (issue 10) reaches users: ``--cohort-size`` on ``skipdecode generate``, ``eval``
+and ``serve``, ``cohort_size`` on :func:`skipdecode.server.create_app` and the scheduler.
+
+The engine's rule itself (waiting requests join only in cohorts; answers unchanged) is tested in
+tests/test_inflight.py; here each entry point must hand the value to the engine, refuse values
+outside [1, batch size] with one line naming the option before any model loads, and (the server,
+as a real process on loopback) keep every request's solo answer with cohorts on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from conftest import make_model, make_tokenizer
+from test_cli_outputs import saved  # noqa: F401  (a tiny llama checkpoint, a fixture)
+from test_cli_outputs import _run as cli
+from test_server_loopback import health, run, start_server, stop_server
+from test_validation_leftovers import assert_one_line_exit_2, no_model_load
+from skipdecode import SkipModel
+from skipdecode.scheduler import Scheduler
+from skipdecode.server import create_app
+
+
+# ------------------------------------------------------------------------- the Python API
+def test_scheduler_and_app_hand_the_cohort_size_to_the_engine():
+    sk = SkipModel(make_model("llama"), make_tokenizer())
+    scheduler = Scheduler(sk.adapter, max_batch_size=8, max_waiting=4, cohort_size=3)
+    try:
+        assert scheduler.engine.cohort_size == 3 and scheduler.stats()["cohort_size"] == 3
+    finally:
+        scheduler.close()
+    app = create_app(sk, "tiny", max_batch_size=8, cohort_size=5)
+    try:
+        assert app.state.scheduler.engine.cohort_size == 5
+    finally:
+        app.state.scheduler.close()
+    serial = create_app(sk, "tiny", serial=True, cohort_size=5)  # one row at a time: no cohorts
+    try:
+        assert serial.state.scheduler.engine.cohort_size == 1
+    finally:
+        serial.state.scheduler.close()
+
+
+@pytest.mark.parametrize("cohort", [0, 9, True, 2.0])
+def test_app_refuses_a_cohort_outside_one_to_the_batch_size(cohort):
+    sk = SkipModel(make_model("llama"), make_tokenizer())
+    with pytest.raises(ValueError, match=r"cohort_size must be an integer in \[1, max_batch_size=8\]"):
+        create_app(sk, "tiny", max_batch_size=8, cohort_size=cohort)
+
+
+# ------------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("command, extra, words", [
+    (["generate", "a", "b"], ["--cohort-size", "0"], ["--cohort-size must be in [1, --max-batch-size=32]", "0"]),
+    (["generate", "a", "b"], ["--max-batch-size", "4", "--cohort-size", "5"],
+     ["--cohort-size must be in [1, --max-batch-size=4]", "5"]),
+    (["eval"], ["--batch-size", "4", "--cohort-size", "5"], ["--cohort-size must be in [1, --batch-size=4]"]),
+    (["eval"], ["--static", "--cohort-size", "2"], ["--cohort-size applies to in-flight batching"]),
+    (["serve", "--port", "1"], ["--cohort-size", "40"], ["--cohort-size must be in [1, --max-batch-size=32]"]),
+    (["serve", "--port", "1"], ["--serial", "--cohort-size", "2"], ["--cohort-size applies to in-flight batching"]),
+])
+def test_cli_refuses_a_bad_cohort_size_before_any_work(saved, tmp_path, monkeypatch, command, extra, words):  # noqa: F811
+    no_model_load(monkeypatch)
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
+    where = ["--data", str(data), "--out", str(tmp_path / "o")] if command == ["eval"] else []
+    assert_one_line_exit_2(*cli([*command, "--model", str(saved), *where, *extra]), *words)
+
+
+def test_cli_generate_cohort_size_reaches_the_engine_and_keeps_the_answers(saved, monkeypatch):  # noqa: F811
+    import skipdecode.engine as engine_module
+
+    seen = []
+    real_init = engine_module.Engine.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("cohort_size", 1))
+        real_init(self, *args, **kwargs)
+    monkeypatch.setattr(engine_module.Engine, "__init__", spy)
+    prompts = ["The Eagle", "A coffee shop near", "Green Man", "Five"]
+    base = ["generate", *prompts, "--model", str(saved), "-n", "6", "--json", "--speedup", "2", "--max-batch-size", "2"]
+    res1, _ = cli(base)
+    res3, _ = cli(base + ["--cohort-size", "2"])
+    assert res1.exit_code == 0 and res3.exit_code == 0, (res1.output, res3.output)
+    assert seen == [1, 2]
+    assert json.loads(res3.stdout)["texts"] == json.loads(res1.stdout)["texts"]  # greedy: unchanged
+
+
+def test_cli_eval_cohort_size_reaches_evaluate(saved, tmp_path, monkeypatch):  # noqa: F811
+    import skipdecode.evaluate as evaluate_module
+
+    seen = {}
+
+    def fake_evaluate(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
+    cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"), "--batch-size", "8",
+         "--cohort-size", "4"])
+    assert seen["cohort_size"] == 4 and seen["inflight"] is True
+
+
+# ---------------------------------------------------------- the server, a real process
+def test_server_with_cohorts_gives_every_concurrent_request_its_solo_answer():
+    proc, url = start_server("--max-batch-size", "4", "--cohort-size", "3", "--step-delay", "0.01")
+    try:
+        assert health(url)["scheduler"]["cohort_size"] == 3
+        sk = SkipModel(make_model("llama"), make_tokenizer())  # the server's model, built the same way
+        prompts = [f"The Eagle {i} is a" for i in range(10)]
+        lengths = [3 + (i * 5) % 11 for i in range(10)]  # rows end at different steps: slots free unevenly
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                return await asyncio.gather(*(
+                    c.post("/v1/completions", json={"prompt": p, "max_tokens": n, "speedup": 2.0})
+                    for p, n in zip(prompts, lengths)))
+
+        answers = run(scenario(), 90)
+        assert [a.status_code for a in answers] == [200] * 10
+        for p, n, a in zip(prompts, lengths, answers):
+            want = sk.generate([p], max_new_tokens=n, policy=sk.policy_for(speedup=2.0))
+            assert [c["text"] for c in a.json()["choices"]] == want.texts
+        assert health(url)["scheduler"]["running"] == 0
+    finally:
+        stop_server(proc)
+
+
+def test_server_load_benchmark_passes_the_cohort_size_and_checks_it(capsys):
+    from test_recipe_study import load_script
+
+    server_load = load_script("server_load")
+    args = server_load._parse(["--max-batch-size", "8", "--cohort-size", "4"])
+    assert args.cohort_size == 4
+    with pytest.raises(SystemExit) as exc:
+        server_load._parse(["--max-batch-size", "8", "--cohort-size", "9"])
+    assert exc.value.code == 2 and "--cohort-size must be in [1, --max-batch-size=8]" in capsys.readouterr().err
