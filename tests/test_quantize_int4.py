@@ -198,3 +198,14 @@ def test_int4_fallback_compiled_kernels_equal_eager(monkeypatch, tokenizer):
 
     monkeypatch.setattr(int4pack, "_STATE", {"checked": True, "ok": False, "why": "forced fallback"})
     _kernels_equal("llama", tokenizer, "int4")
+
+
+def test_int4_keeps_an_int8_lm_head():
+    """A 4-bit head of SmolLM2's tied embedding moved the next-token distribution 26x further than
+    4-bit decoder layers did (quantize.HEAD_MODE); int4 quantizes the decoder layers only."""
+    from skipdecode.quantize import HEAD_MODE, Int8Linear
+
+    model = quantize_model(make_model("llama"), "int4")
+    assert HEAD_MODE["int4"] == "int8" and type(model.get_output_embeddings()) is Int8Linear
+    decoder = [m for m in model.model.layers.modules() if isinstance(m, (Int4Linear, Int8Linear, nn.Linear))]
+    assert decoder and all(isinstance(m, Int4Linear) for m in decoder)
