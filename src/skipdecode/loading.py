@@ -135,6 +135,9 @@ def load(
         quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
             decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
             the input embedding stays float. ``SkipModel.resident_bytes`` reports the memory.
+            With int4 a LoRA adapter (``adapter``, or a LoRA checkpoint folder) is not merged but
+            kept as a float low-rank path beside the 4-bit weights (:mod:`skipdecode.lowrank`:
+            merged, int4 would round most of it away).
         compile: False, True (= "auto"), "kernels" or "layers": compile the decode step
             (:mod:`skipdecode.compiled`; "auto": the fused quantized products when
             ``quantize`` is set, else every decoder-layer call) and warm it up at batch 1 here;
@@ -166,6 +169,8 @@ def load(
         raise LoadError(f"compile must be True, False or one of auto, kernels, layers, got {compile!r}")
     if compile == "kernels" and quantize is None:
         raise LoadError("compile='kernels' needs quantize='int8' or 'int4' (it compiles the quantized products)")
+    # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
+    unmerged: list[Path] | None = [] if quantize == "int4" else None
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -196,7 +201,7 @@ def load(
                 except SkipConfigError as err:
                     raise LoadError(str(err)) from None
             _check_weight_files(path)
-            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype)
+            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
             raise LoadError(f"model path {model} does not exist")
         else:
@@ -209,7 +214,7 @@ def load(
                 ) from None
         source = str(model)
     name = DEFAULT_MODEL if model is None else str(model)
-    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source)
+    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged)
     hf_model = hf_model.to(device).eval()
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
@@ -226,15 +231,20 @@ def load(
     if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
         raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
                         f"but the model has {sk.num_layers} layers; the file belongs to another model")
-    return _accelerate(sk, quantize, compile)
+    return _accelerate(sk, quantize, compile, unmerged or [])
 
 
-def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str) -> SkipModel:
-    """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model."""
+def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerged: list[Path]) -> SkipModel:
+    """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model; the LoRA adapters in
+    ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`)."""
     if quantize is not None:
+        from .lowrank import LoraFormatError, attach_lora
+
         try:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)
-        except QuantizeError as err:
+            for path in unmerged:
+                attach_lora(sk.model, path)
+        except (QuantizeError, LoraFormatError) as err:
             raise LoadError(str(err)) from None
     if compile:
         from .compiled import compile_adapter, warm_up
@@ -244,8 +254,9 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str) -> Ski
     return sk
 
 
-def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Model and tokenizer of a local checkpoint folder (plain HF checkpoint or LoRA adapter).
+def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None) -> tuple[Any, Any]:
+    """Model and tokenizer of a local checkpoint folder (plain HF checkpoint or LoRA adapter; a
+    LoRA adapter is merged, or appended to ``unmerged`` when that is a list).
 
     Raises:
         LoadError: the folder is not a checkpoint, or transformers/peft cannot read one of its
@@ -255,7 +266,7 @@ def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any
         raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
     try:
         if (path / "adapter_config.json").exists():
-            return _from_lora(path, skip_config, dtype)
+            return _from_lora(path, skip_config, dtype, unmerged)
         return _from_pretrained(str(path), dtype)
     except LoadError:
         raise
@@ -286,22 +297,28 @@ def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     return hf_model, tokenizer
 
 
-def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Load a peft LoRA adapter and merge it into its base, so decoding pays nothing for it."""
+def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None) -> tuple[Any, Any]:
+    """Load a peft LoRA adapter and merge it into its base, so decoding pays nothing for it
+    (or, when ``unmerged`` is a list, return the base and append ``path`` to it)."""
     from peft import PeftModel
 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
     base = load(base_name, dtype=dtype, adapter=False)
+    if unmerged is not None:
+        unmerged.append(path)
+        return base.model, base.tokenizer
     with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
         merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
     return merged, base.tokenizer
 
 
 def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: str,
-                        skip_config: dict[str, Any], source: str) -> tuple[Any, dict[str, Any], str]:
-    """Merge the requested skip adapter (see :func:`load`'s ``adapter``); the adapter's
-    ``skipdecode.json`` replaces the model's, plus a ``skip_adapter`` summary for reports."""
+                        skip_config: dict[str, Any], source: str,
+                        unmerged: list[Path] | None = None) -> tuple[Any, dict[str, Any], str]:
+    """Merge the requested skip adapter (see :func:`load`'s ``adapter``), or append its folder to
+    ``unmerged`` when that is a list (applied after quantization); the adapter's ``skipdecode.json``
+    replaces the model's, plus a ``skip_adapter`` summary for reports."""
     from . import skip_adapter as sa
 
     if adapter is False:
@@ -317,8 +334,11 @@ def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: 
     try:
         meta = sa.read_adapter_config(path)
         verify_weights(path, meta)
-        hf_model = sa.merge_adapter(hf_model, path)
-        summary = sa.adapter_summary(path, shipped=adapter is True)
+        if unmerged is None:
+            hf_model = sa.merge_adapter(hf_model, path)
+        else:
+            unmerged.append(path)
+        summary = {**sa.adapter_summary(path, shipped=adapter is True), "merged": unmerged is None}
     except (sa.AdapterError, SkipConfigError) as e:
         raise LoadError(str(e)) from None
     merged = {**skip_config, **{k: v for k, v in meta.items() if k != "losses"}, "skip_adapter": summary}

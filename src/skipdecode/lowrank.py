@@ -1,0 +1,145 @@
+"""LoRA adapters kept unmerged, as a float low-rank path beside quantized weights.
+
+Merging a LoRA adapter (``W + (alpha / r) B A``, Hu et al. 2021, eq. 3) and *then* quantizing to
+int4 loses the adapter: the embedded model's weights come from a 4-bit GGUF file, so they already
+sit on a 4-bit grid, and a fine-tuning delta smaller than half a grid step is rounded straight back
+to the base weights. Measured on SmolLM2-135M (``benchmarks/quant_delta.py``): int4 keeps 15 % of
+the shipped skip adapter's delta and 7 % of a full 2x fine-tune's, int8 keeps 100 % of both. So
+with ``load(..., quantize="int4")`` an adapter stays a separate float path,
+``y = Q(W) x + (alpha / r) B (A x)`` (QLoRA's inference form, Dettmers et al. 2023): exact for the
+adapter, and at rank 8 it adds 2 x r x (in + out) multiply-adds per token and linear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LowRankLinear", "read_lora", "attach_lora", "LoraFormatError"]
+
+_PREFIX = "base_model.model."
+#: adapter_config.json fields whose non-default values change what the adapter computes
+_UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
+
+
+class LoraFormatError(ValueError):
+    """The folder is not a plain LoRA adapter this module can apply, or it does not fit the model."""
+
+
+class LowRankLinear(nn.Module):
+    """``base(x) + scaling * (x A^T) B^T``: a linear layer (float or quantized) plus an unmerged
+    LoRA delta in float32.
+
+    Args:
+        base: the layer it wraps; input (..., in_features) -> output (..., out_features).
+        lora_A: (r, in_features) float.
+        lora_B: (out_features, r) float.
+        scaling: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), a float.
+
+    Raises:
+        LoraFormatError: the shapes do not fit ``base``'s in/out features or each other.
+    """
+
+    def __init__(self, base: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> None:
+        super().__init__()
+        n_in, n_out = _features(base)
+        r = lora_A.shape[0]
+        if lora_A.shape != (r, n_in) or lora_B.shape != (n_out, r):
+            raise LoraFormatError(f"LoRA shapes A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} do not fit a "
+                                  f"{n_in} -> {n_out} linear")
+        self.base = base
+        self.in_features, self.out_features = n_in, n_out
+        self.register_buffer("lora_A", lora_A.detach().float().contiguous())
+        self.register_buffer("lora_B", lora_B.detach().float().contiguous())
+        self.scaling = float(scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scaling
+        return self.base(x) + delta.to(x.dtype)
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    if hasattr(module, "in_features") and hasattr(module, "out_features"):
+        return int(module.in_features), int(module.out_features)
+    if hasattr(module, "nf") and hasattr(module, "weight"):  # GPT-2 Conv1D: weight (in, out)
+        return int(module.weight.shape[0]), int(module.nf)
+    raise LoraFormatError(f"cannot attach LoRA to a {type(module).__name__} (no in/out features)")
+
+
+def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """The deltas of the peft LoRA adapter in folder ``path``.
+
+    Returns:
+        ``{module path in the HF model (e.g. "model.layers.0.self_attn.q_proj"): (A (r, in),
+        B (out, r), scaling)}`` with float32 tensors.
+
+    Raises:
+        LoraFormatError: no adapter_config.json / adapter_model.safetensors, not a LoRA adapter,
+            an option the unmerged path does not compute (DoRA, rank or alpha patterns, modules
+            to save), or a module with only one of its two matrices.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise LoraFormatError(f"adapter {path}: needs adapter_config.json and adapter_model.safetensors")
+    cfg = json.loads(cfg_file.read_text())
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoraFormatError(f"adapter {path}: peft_type is {cfg.get('peft_type')!r}, not LORA")
+    for key, default in _UNSUPPORTED.items():
+        if cfg.get(key, default) not in (default, None, {}, False):
+            raise LoraFormatError(f"adapter {path}: '{key}' is set; int4 keeps adapters unmerged and that path "
+                                  "computes plain LoRA only (use quantize='int8', which merges it)")
+    r = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", r))
+    scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    tensors = load_file(str(weights))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in key:
+                module = key.split(marker)[0]
+                module = module[len(_PREFIX):] if module.startswith(_PREFIX) else module
+                pairs.setdefault(module, {})[part] = t.float()
+    out = {}
+    for module, ab in pairs.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoraFormatError(f"adapter {path}: {module} has only {', '.join(ab)}")
+        out[module] = (ab["lora_A"], ab["lora_B"], scaling)
+    if not out:
+        raise LoraFormatError(f"adapter {path}: no lora_A/lora_B weights in {weights.name}")
+    return out
+
+
+def attach_lora(model: nn.Module, path: str | os.PathLike) -> int:
+    """Wrap every module that the adapter in ``path`` adapts in a :class:`LowRankLinear`
+    (in place; after quantization, so the wrapped layer may be an int8/int4 module).
+
+    Returns:
+        The number of wrapped modules.
+
+    Raises:
+        LoraFormatError: see :func:`read_lora`; a module path the model does not have; shapes
+            that do not fit.
+    """
+    deltas = read_lora(path)
+    for name, (a, b, scaling) in deltas.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            base = getattr(parent, child)
+        except AttributeError:
+            raise LoraFormatError(f"adapter {path} adapts {name}, which this model does not have") from None
+        try:
+            wrapped = LowRankLinear(base, a, b, scaling)
+        except LoraFormatError as e:
+            raise LoraFormatError(f"adapter {path}, {name}: {e}") from None
+        setattr(parent, child, wrapped.to(next(base.buffers(), next(base.parameters(), a)).device))
+    return len(deltas)
