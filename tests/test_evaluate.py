@@ -526,3 +526,14 @@ def test_public_names_stay_importable_from_evaluate():
     assert ev.resolve_policy is eval_policies.resolve_policy and ev.TASKS is eval_tasks.TASKS
     assert set(ev.__all__) >= {"TASKS", "TaskSpec", "PolicySpec", "EvalRow", "Report", "detect_task",
                                "resolve_policy", "evaluate", "package_versions", "combine_reports", "concat_reports"}
+
+
+def test_joined_report_names_each_distinct_command_once():
+    """The frontier joins one report per model, all made by the same command: the Markdown header
+    named it four times."""
+    from skipdecode.eval_output import _run_line
+
+    same = {"combined": [{"command": "python a.py --x"}] * 3 + [{"command": "python b.py"}], "device": "cpu"}
+    line = _run_line(same)
+    assert line.count("`python a.py --x`") == 1 and line.count("`python b.py`") == 1
+    assert line.index("a.py") < line.index("b.py")

@@ -37,9 +37,11 @@ def _fmt(x: Any, digits: int = 2) -> str:
 
 
 def _run_line(meta: dict[str, Any]) -> str:
-    """The commands (every joined report's), device, date and package versions of a report."""
+    """The commands (every joined report's, each distinct one once), device, date and package
+    versions of a report."""
+    commands = [c.get("command", "") for c in meta.get("combined") or meta.get("shards") or [meta]]
     return (
-        " + ".join(f"`{c.get('command', '')}`" for c in meta.get("combined") or meta.get("shards") or [meta])
+        " + ".join(f"`{c}`" for c in dict.fromkeys(commands))
         + (f", then `{meta['post_command']}`" if meta.get("post_command") else "")
         + f" on {meta.get('device', '?')}, {meta.get('date', '')}; "
         + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
