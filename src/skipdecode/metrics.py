@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["METRICS", "corpus_bleu", "corpus_chrf", "corpus_nist", "rouge", "score_all"]
+__all__ = ["METRICS", "corpus_bleu", "corpus_chrf", "corpus_nist", "rouge", "score_all", "paired_bootstrap_bleu"]
 
 #: Metric names understood by :func:`score_all`.
 METRICS: tuple[str, ...] = ("bleu", "chrf", "nist", "rouge1", "rouge2", "rougeL")
@@ -94,6 +94,53 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
 
     hyps, refs = _validate(hypotheses, references)
     return float(BLEU(**bleu_kwargs).corpus_score(hyps, _reference_streams(refs)).score)
+
+
+def paired_bootstrap_bleu(baseline: Sequence[str], system: Sequence[str], references: Sequence[Sequence[str]],
+                          n_samples: int = 1000, seed: int = 12345) -> dict[str, float]:
+    """Paired bootstrap resampling of corpus BLEU (Koehn 2004), by ``sacrebleu.significance.PairedTest``.
+
+    Both systems are scored on the same ``n_samples`` resamples of the items (seeded through
+    sacrebleu's ``SACREBLEU_SEED``); the p-value is the share of resamples where the difference
+    ``system - baseline`` is not on the side of the observed one (sacrebleu's definition).
+
+    Args:
+        baseline, system: one hypothesis per item, same length as ``references``.
+        references: per item, one or more reference strings (as :func:`corpus_bleu`).
+        n_samples: bootstrap resamples (>= 100).
+        seed: resampling seed.
+
+    Returns:
+        ``{"baseline": BLEU, "system": BLEU, "difference": system - baseline, "p_value",
+        "baseline_ci", "system_ci"}`` (BLEU points; ``*_ci`` the half-width of the 95 % interval
+        around the bootstrap mean).
+
+    Raises:
+        ValueError: as :func:`corpus_bleu` for either system; ``n_samples`` < 100.
+    """
+    import os
+
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 100:
+        raise ValueError(f"n_samples must be an integer >= 100, got {n_samples!r}")
+    base, refs = _validate(baseline, references)
+    other, _ = _validate(system, references)
+    old = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = str(int(seed))
+    try:
+        test = PairedTest([("baseline", base), ("system", other)], {"BLEU": BLEU()}, _reference_streams(refs),
+                          test_type="bs", n_samples=n_samples)
+        _, scores = test()
+    finally:
+        if old is None:
+            os.environ.pop("SACREBLEU_SEED", None)
+        else:
+            os.environ["SACREBLEU_SEED"] = old
+    b, s = scores["BLEU"]
+    return {"baseline": float(b.score), "system": float(s.score), "difference": float(s.score - b.score),
+            "p_value": float(s.p_value), "baseline_ci": float(b.ci), "system_ci": float(s.ci)}
 
 
 def corpus_chrf(hypotheses: Sequence[str], references: Sequence[Sequence[str]],
