@@ -1,5 +1,12 @@
 """The prompt set of the shipped skip adapter (issue 12): built from ``../shared/data`` plus the
-prompts written for this project (``benchmarks/adapter_prompts/own_prompts.txt``).
+prompts written for this project (``benchmarks/adapter_prompts/own_prompts.txt``, and the train-only
+``own_prompts_train.txt``).
+
+The held-out split is drawn from the base set (own prompts, a seeded sample of Spec-Bench, 60 E2E dev
+MRs) exactly as when the adapter first shipped, so its sha256 stays comparable across training runs.
+The train split then also gets train-only prompts that are never held out: every
+``own_prompts_train.txt`` prompt, the Spec-Bench questions the sample did not take, and 150 more E2E
+dev MRs; one equal (lowercased, whitespace collapsed) to a held-out prompt is dropped and counted.
 
 The data files are read by path and never copied: :func:`build` derives the prompts from them
 deterministically (fixed seed, fixed truncation) and :func:`check_manifest` compares the result with
@@ -26,12 +33,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 OWN = HERE / "adapter_prompts" / "own_prompts.txt"
+OWN_TRAIN = HERE / "adapter_prompts" / "own_prompts_train.txt"  # train-only prompts
 MANIFEST = HERE / "adapter_prompts" / "manifest.json"
 SEED = 12
 HELDOUT_SHARE = 0.13
 # how many prompts each Spec-Bench category contributes (MT-bench categories: all 10 each)
 SPEC_BENCH_TAKE = {"qa": 50, "math_reasoning": 50, "translation": 40, "rag": 30, "summarization": 40}
 E2E_TAKE = 60
+E2E_TRAIN_TAKE = 150  # train-only: more E2E dev MRs, none of the E2E_TAKE ones
+TRAIN_SEED = SEED + 1  # draws the train-only E2E MRs (the held-out draw keeps SEED's rng)
 # the README's run command's two prompts: always held out, so the demo shows unseen prompts
 ALWAYS_HELDOUT = ("own-3", "own-4")
 ARTICLE_WORDS = 120   # CNN/DM articles are cut to their first 120 words
@@ -43,13 +53,15 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _own() -> list[dict]:
+def _own(path: Path | None = None, source: str = "own") -> list[dict]:
+    """The prompts of ``path`` (default ``OWN``): ``category<TAB>prompt`` lines, ``\\n`` a newline,
+    ``#`` comments; id ``<source>-<line number>``."""
     rows = []
-    for n, line in enumerate(OWN.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate((path or OWN).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         category, prompt = line.split("\t", 1)
-        rows.append({"id": f"own-{n}", "source": "own", "category": category,
+        rows.append({"id": f"{source}-{n}", "source": source, "category": category,
                      "prompt": prompt.replace("\\n", "\n")})
     return rows
 
@@ -59,57 +71,61 @@ def _words(text: str, n: int) -> str:
     return " ".join(words[:n]) + (" ..." if len(words) > n else "")
 
 
-def _spec_bench(data_dir: Path, rng: random.Random) -> list[dict]:
+def _spec_row(d: dict, cat: str) -> dict:
+    """One Spec-Bench question ``d`` of category ``cat`` as a prompt row (first turn; CNN/DM articles
+    and RAG passages cut to ``ARTICLE_WORDS`` / ``RAG_CONTEXT_WORDS`` words)."""
+    text = d["turns"][0]
+    if cat == "summarization":
+        article = text.removeprefix("Summarize: ")
+        text = "Summarize this news article in two sentences.\n\n" + _words(article, ARTICLE_WORDS)
+        source = "cnndm"
+    elif cat == "rag":
+        context, question = text.rsplit("\n", 1)
+        text = f"{_words(context, RAG_CONTEXT_WORDS)}\n\nBased on the text above: {question.strip()}"
+        source = "specbench-rag"
+    else:
+        source = "specbench-" + (cat if cat in SPEC_BENCH_TAKE else "mtbench")
+    return {"id": f"specbench-{d['question_id']}", "source": source, "category": cat, "prompt": text}
+
+
+def _spec_bench(data_dir: Path, rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """(taken, not taken): ``SPEC_BENCH_TAKE`` questions sampled per category (all of the MT-bench
+    categories), and the rest of the sampled categories' questions, which are train-only."""
     by_cat: dict[str, list[dict]] = defaultdict(list)
     with open(data_dir / "cnn_dailymail" / "spec_bench_question.jsonl", encoding="utf-8") as fh:
         for line in fh:
             by_cat[json.loads(line)["category"]].append(json.loads(line))
-    rows = []
+    taken, rest = [], []
     for cat in sorted(by_cat):
         items = by_cat[cat]
         if cat in SPEC_BENCH_TAKE:
-            items = rng.sample(items, SPEC_BENCH_TAKE[cat])
-        for d in items:
-            text = d["turns"][0]
-            if cat == "summarization":
-                article = text.removeprefix("Summarize: ")
-                text = "Summarize this news article in two sentences.\n\n" + _words(article, ARTICLE_WORDS)
-                source = "cnndm"
-            elif cat == "rag":
-                context, question = text.rsplit("\n", 1)
-                text = f"{_words(context, RAG_CONTEXT_WORDS)}\n\nBased on the text above: {question.strip()}"
-                source = "specbench-rag"
-            else:
-                source = "specbench-" + (cat if cat in SPEC_BENCH_TAKE else "mtbench")
-            rows.append({"id": f"specbench-{d['question_id']}", "source": source, "category": cat, "prompt": text})
-    return rows
+            picked = rng.sample(items, SPEC_BENCH_TAKE[cat])
+            ids = {id(d) for d in picked}
+            rest += [_spec_row(d, cat) for d in items if id(d) not in ids]
+            items = picked
+        taken += [_spec_row(d, cat) for d in items]
+    return taken, rest
 
 
-def _e2e(data_dir: Path, rng: random.Random) -> list[dict]:
+def _e2e_mrs(data_dir: Path) -> list[str]:
+    """The distinct meaning representations of the E2E dev set, in file order."""
     with open(data_dir / "e2e" / "devset.csv", encoding="utf-8", newline="") as fh:
-        mrs = list(dict.fromkeys(row["mr"] for row in csv.DictReader(fh)))
-    picked = sorted(rng.sample(range(len(mrs)), E2E_TAKE))
+        return list(dict.fromkeys(row["mr"] for row in csv.DictReader(fh)))
+
+
+def _e2e_rows(mrs: list[str], picked: list[int]) -> list[dict]:
     return [{"id": f"e2e-dev-{i}", "source": "e2e", "category": "data-to-text",
-             "prompt": f"Write one sentence describing this restaurant.\n{mrs[i]}"} for i in picked]
+             "prompt": f"Write one sentence describing this restaurant.\n{mrs[i]}"} for i in sorted(picked)]
 
 
-def build(data_dir: str | Path | None = None) -> tuple[list[dict], list[dict]]:
-    """(train, heldout) prompt rows, ``{"id", "source", "category", "prompt"}`` each.
+def normalize(text: str) -> str:
+    """``text`` lowercased with every run of whitespace made one space (the duplicate test)."""
+    return " ".join(text.lower().split())
 
-    The held-out split takes ``HELDOUT_SHARE`` of every (source, category) stratum (at least one
-    prompt of each stratum with 5 or more), seeded, so it covers every kind of prompt; the README
-    run command's two prompts (``ALWAYS_HELDOUT``) are held out too. ``data_dir`` (the ``--data``
-    option) defaults to the shared data folder.
 
-    Raises:
-        FileNotFoundError: a data file is missing under ``data_dir``.
-        skipdecode.data.DataError: no ``data_dir`` given and no shared data folder found.
-    """
-    from skipdecode.data import shared_data_path
-
-    data_dir = Path(shared_data_path(data_dir))
-    rng = random.Random(SEED)
-    rows = _own() + _spec_bench(data_dir, rng) + _e2e(data_dir, rng)
+def _split(rows: list[dict], rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """(train, heldout): ``HELDOUT_SHARE`` of every (source, category) stratum of ``rows`` (at least
+    one of each stratum with 5 or more) plus ``ALWAYS_HELDOUT``, drawn with ``rng``."""
     strata: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in rows:
         strata[(r["source"], r["category"])].append(r)
@@ -119,16 +135,61 @@ def build(data_dir: str | Path | None = None) -> tuple[list[dict], list[dict]]:
         k = round(HELDOUT_SHARE * len(items)) if len(items) >= 5 else 0
         k = max(k, 1) if len(items) >= 5 else k
         held.update(r["id"] for r in rng.sample([r for r in items if r["id"] not in held], k))
-    train = [r for r in rows if r["id"] not in held]
-    heldout = [r for r in rows if r["id"] in held]
-    return train, heldout
+    return [r for r in rows if r["id"] not in held], [r for r in rows if r["id"] in held]
 
 
-def manifest(train: list[dict], heldout: list[dict]) -> dict:
+def _drop_heldout(rows: list[dict], heldout: list[dict]) -> tuple[list[dict], list[str]]:
+    """(kept rows, ids dropped): a row is dropped when its normalized prompt equals a held-out one's."""
+    held = {normalize(r["prompt"]) for r in heldout}
+    kept = [r for r in rows if normalize(r["prompt"]) not in held]
+    return kept, [r["id"] for r in rows if normalize(r["prompt"]) in held]
+
+
+def build_splits(data_dir: str | Path | None = None, train_only: bool = True) -> dict:
+    """``{"train", "heldout", "dropped"}``: the two splits (prompt rows, ``{"id", "source",
+    "category", "prompt"}`` each) and the ids of the train-only prompts dropped because they equal
+    (after :func:`normalize`) a held-out prompt.
+
+    The held-out split is drawn first, from the base set (``own_prompts.txt``, ``SPEC_BENCH_TAKE``
+    Spec-Bench questions, ``E2E_TAKE`` E2E MRs), by :func:`_split`. With ``train_only`` the train
+    split then also gets, never held out: every ``own_prompts_train.txt`` prompt (``own-train``),
+    the Spec-Bench questions the base set did not take, and ``E2E_TRAIN_TAKE`` more E2E MRs (seed
+    ``TRAIN_SEED``). The held-out split is the same with or without them.
+
+    Raises:
+        FileNotFoundError: a data file is missing under ``data_dir``.
+        skipdecode.data.DataError: no ``data_dir`` given and no shared data folder found.
+    """
+    from skipdecode.data import shared_data_path
+
+    data_dir = Path(shared_data_path(data_dir))
+    rng = random.Random(SEED)
+    spec, spec_rest = _spec_bench(data_dir, rng)
+    mrs = _e2e_mrs(data_dir)
+    used = rng.sample(range(len(mrs)), E2E_TAKE)
+    train, heldout = _split(_own() + spec + _e2e_rows(mrs, used), rng)
+    if not train_only:
+        return {"train": train, "heldout": heldout, "dropped": []}
+    unused = sorted(set(range(len(mrs))) - set(used))
+    more = random.Random(TRAIN_SEED).sample(unused, min(E2E_TRAIN_TAKE, len(unused)))
+    added, dropped = _drop_heldout(_own(OWN_TRAIN, "own-train") + spec_rest + _e2e_rows(mrs, more), heldout)
+    return {"train": train + added, "heldout": heldout, "dropped": dropped}
+
+
+def build(data_dir: str | Path | None = None, train_only: bool = True) -> tuple[list[dict], list[dict]]:
+    """(train, heldout) of :func:`build_splits` (same arguments and errors)."""
+    splits = build_splits(data_dir, train_only)
+    return splits["train"], splits["heldout"]
+
+
+def manifest(train: list[dict], heldout: list[dict], dropped: list[str] | None = None) -> dict:
     """The manifest: per split the ids with each prompt's sha256, per-source counts and one sha256
-    over the split's prompts (joined with NUL, in file order)."""
-    out = {"seed": SEED, "heldout_share": HELDOUT_SHARE, "article_words": ARTICLE_WORDS,
-           "rag_context_words": RAG_CONTEXT_WORDS, "splits": {}}
+    over the split's prompts (joined with NUL, in file order); with ``dropped``, the ids of the
+    train-only prompts dropped as equal to a held-out prompt (:func:`build_splits`)."""
+    out = {"seed": SEED, "train_seed": TRAIN_SEED, "heldout_share": HELDOUT_SHARE,
+           "article_words": ARTICLE_WORDS, "rag_context_words": RAG_CONTEXT_WORDS, "splits": {}}
+    if dropped is not None:
+        out["train_only_dropped"] = list(dropped)
     for name, rows in (("train", train), ("heldout", heldout)):
         out["splits"][name] = {
             "n": len(rows),
@@ -187,8 +248,9 @@ def main() -> int:
     ap.add_argument("--write-manifest", action="store_true", help="rewrite the committed manifest")
     args = ap.parse_args()
     train, heldout = build_or_exit(args.data)
+    dropped = build_splits(args.data)["dropped"]
     if args.write_manifest:
-        MANIFEST.write_text(json.dumps(manifest(train, heldout), indent=1) + "\n")
+        MANIFEST.write_text(json.dumps(manifest(train, heldout, dropped), indent=1) + "\n")
     problems = check_manifest(train, heldout)
     for p in problems:
         print("manifest mismatch:", p, file=sys.stderr)
@@ -197,7 +259,8 @@ def main() -> int:
     write_jsonl(out / "heldout.jsonl", heldout)
     m = manifest(train, heldout)["splits"]
     print(json.dumps({"train": m["train"]["n"], "heldout": m["heldout"]["n"], "train_sha256": m["train"]["sha256"],
-                      "heldout_sha256": m["heldout"]["sha256"], "heldout_by_source": m["heldout"]["by_source"],
+                      "heldout_sha256": m["heldout"]["sha256"], "train_by_source": m["train"]["by_source"],
+                      "heldout_by_source": m["heldout"]["by_source"], "train_only_dropped": len(dropped),
                       "out": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)}))
     return 1 if problems else 0
 
