@@ -16,9 +16,10 @@ BAD = ["a place" for _ in REFS]
 
 
 def test_paired_bootstrap_scores_and_p_values():
-    same = paired_bootstrap_bleu(GOOD, GOOD, REFS, n_samples=200)
-    assert same["difference"] == 0 and same["system"] == pytest.approx(corpus_bleu(GOOD, REFS))
-    assert same["p_value"] > 0.5  # no difference: not significant
+    near = GOOD[:-1] + ["the red shop is near the river"]  # one item of 60 a little worse
+    close = paired_bootstrap_bleu(GOOD, near, REFS, n_samples=200)
+    assert close["system"] == pytest.approx(corpus_bleu(near, REFS)) and close["baseline"] == pytest.approx(100)
+    assert -3 < close["difference"] < 0 and close["p_value"] > 0.05  # within resampling noise
     worse = paired_bootstrap_bleu(GOOD, BAD, REFS, n_samples=200)
     assert worse["difference"] == pytest.approx(corpus_bleu(BAD, REFS) - corpus_bleu(GOOD, REFS))
     assert worse["difference"] < -50 and worse["p_value"] < 0.01
