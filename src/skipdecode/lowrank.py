@@ -141,5 +141,6 @@ def attach_lora(model: nn.Module, path: str | os.PathLike) -> int:
             wrapped = LowRankLinear(base, a, b, scaling)
         except LoraFormatError as e:
             raise LoraFormatError(f"adapter {path}, {name}: {e}") from None
-        setattr(parent, child, wrapped.to(next(base.buffers(), next(base.parameters(), a)).device))
+        tensors = [*base.parameters(), *base.buffers()]  # a quantized layer holds only buffers
+        setattr(parent, child, wrapped.to(tensors[0].device if tensors else a.device))
     return len(deltas)
