@@ -55,6 +55,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
     p.add_argument("--cohort-size", type=int, default=1,
                    help="in-flight server: waiting requests join in cohorts of at least this many rows")
+    p.add_argument("--adapter", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve the embedded model with its shipped skip adapter (the users' default); "
+                        "off: the stock weights. Ignored with --model")
+    p.add_argument("--chat", action="store_true",
+                   help="send chat completions (the adapter's training format) instead of text completions")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--name", default="server_load", help="results base name under --out")
@@ -97,7 +102,7 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
            "--max-batch-size", str(args.max_batch_size), "--max-waiting", "4096"]
     if args.model:
         cmd += ["--model", args.model]
-    else:  # the stock weights: the shipped skip adapter would make its 2x schedule the default
+    elif not args.adapter:  # the stock weights (every request names its speedup either way)
         cmd.append("--no-adapter")
     if serial:
         cmd.append("--serial")
@@ -120,18 +125,23 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
     raise SystemExit("error: the server did not start within 600 s")
 
 
-async def one_request(client, prompt: str, max_tokens: int, speedup: float) -> tuple[float, float, int]:
-    """(latency s, time to first token s, completion tokens) of one streamed request."""
+async def one_request(client, prompt: str, max_tokens: int, speedup: float,
+                      chat: bool = False, served_model: str = "bench") -> tuple[float, float, int]:
+    """(latency s, time to first token s, completion tokens) of one streamed request: a text
+    completion of ``prompt``, or with ``chat`` a chat completion of one user message ``prompt``."""
     extra = {"speedup": speedup}  # always explicit: never the server's default policy
+    common = dict(model=served_model, max_tokens=max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body=extra)
     t0 = time.perf_counter()
     first = None
     tokens = 0
-    stream = await client.completions.create(
-        model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=extra,
-    )
+    if chat:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+    else:
+        stream = await client.completions.create(prompt=prompt, **common)
     async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
+        text = (chunk.choices[0].delta.content if chat else chunk.choices[0].text) if chunk.choices else None
+        if first is None and text:
             first = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
@@ -139,18 +149,23 @@ async def one_request(client, prompt: str, max_tokens: int, speedup: float) -> t
     return end - t0, (first or end) - t0, tokens
 
 
-async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int) -> dict:
+async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
+               chat: bool = False, served_model: str = "bench") -> dict:
+    """One load cell: ``clients`` concurrent streaming clients send ``max(8, 2 clients)`` requests
+    to the server at ``url`` (serving ``served_model``), after one untimed warm-up request.
+    Returns requests/s, tokens/s (from the server's ``usage``), tokens per request and p50/p95
+    latency and time to first token (seconds)."""
     from openai import AsyncOpenAI
 
     total = max(8, 2 * clients)
     queue = [texts[i % len(texts)] for i in range(total)]
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
-        await one_request(client, queue[0], 2, speedup)  # warm-up, untimed
+        await one_request(client, queue[0], 2, speedup, chat, served_model)  # warm-up, untimed
         results: list[tuple[float, float, int]] = []
 
         async def worker(k: int) -> None:
             for prompt in queue[k::clients]:
-                results.append(await one_request(client, prompt, max_tokens, speedup))
+                results.append(await one_request(client, prompt, max_tokens, speedup, chat, served_model))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(clients)))
@@ -161,18 +176,20 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
     return {
         "clients": clients, "speedup": speedup, "requests": total, "seconds": seconds,
         "requests_per_second": total / seconds, "tokens_per_second": tokens / seconds,
-        "completion_tokens": tokens,
+        "completion_tokens": tokens, "tokens_per_request": tokens / total,
         "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95)),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
     }
 
 
 def table(rows: list[dict]) -> str:
-    head = "| mode | clients | speedup | req/s | tok/s | p50 latency s | p95 latency s | p50 TTFT s | p95 TTFT s |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| mode | clients | speedup | req/s | tok/s | tokens/req | p50 latency s | p95 latency s | "
+            "p50 TTFT s | p95 TTFT s |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
+        per_req = r.get("tokens_per_request", r["completion_tokens"] / r["requests"])
         lines.append(f"| {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
-                     f"{r['tokens_per_second']:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
+                     f"{r['tokens_per_second']:.1f} | {per_req:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
                      f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |")
     return "\n".join(lines)
 
@@ -240,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for clients in args.clients:
                 for speedup in args.speedups:
-                    row = {"mode": mode, **asyncio.run(load(url, texts, clients, speedup, args.max_tokens))}
+                    row = {"mode": mode, **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat))}
                     rows.append(row)
                     print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
                           f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -251,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / f"{args.name}.json"
     result = {
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
+        "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
         "cohort_size": args.cohort_size, "device": args.device,
         "dtype": args.dtype, "rows": rows, "targets": targets(rows),

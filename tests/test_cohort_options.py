@@ -139,3 +139,28 @@ def test_server_load_benchmark_passes_the_cohort_size_and_checks_it(capsys):
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--max-batch-size", "8", "--cohort-size", "9"])
     assert exc.value.code == 2 and "--cohort-size must be in [1, --max-batch-size=8]" in capsys.readouterr().err
+
+
+def test_server_load_client_counts_tokens_of_text_and_chat_completions():
+    """The benchmark's client (the official ``openai`` client, streaming) against a real server:
+    every request is counted once, its tokens come from the server's ``usage``, and ``--chat``
+    goes through /v1/chat/completions (the adapter's format)."""
+    from test_recipe_study import load_script
+
+    server_load = load_script("server_load")
+    assert server_load._parse(["--chat", "--adapter"]).chat is True
+    proc, url = start_server("--max-batch-size", "4")
+    try:
+        before = health(url)["scheduler"]
+        rows = {chat: asyncio.run(server_load.load(url, ["The Eagle is a", "Blue Spice serves"], 2, 2.0, 3, chat,
+                                                    served_model="tiny"))
+                for chat in (False, True)}
+        for chat, row in rows.items():
+            assert row["requests"] == 8 and 0 < row["completion_tokens"] <= 8 * 3
+            assert row["tokens_per_request"] == row["completion_tokens"] / 8
+            assert 0 < row["ttft_p50"] <= row["latency_p50"]
+        served = health(url)["scheduler"]["generated_tokens"] - before["generated_tokens"]
+        warm_up = served - sum(row["completion_tokens"] for row in rows.values())
+        assert 2 <= warm_up <= 4  # the two untimed warm-up requests (1-2 tokens each), nothing else
+    finally:
+        stop_server(proc)
