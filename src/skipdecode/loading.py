@@ -237,8 +237,14 @@ def load(
 
 def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerged: list[Path]) -> SkipModel:
     """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model; the LoRA adapters in
-    ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`)."""
-    if quantize is not None:
+    ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`). Float32
+    weights on the CPU are stored column-major (:func:`skipdecode.layout.column_major`: a faster
+    batch-1 decode step, same values)."""
+    if quantize is None:
+        from .layout import column_major
+
+        column_major(sk.model)
+    else:
         from .lowrank import LoraFormatError, attach_lora
 
         try:

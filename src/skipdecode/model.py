@@ -245,7 +245,9 @@ class SkipModel:
         ``weights_sha256``: the sha256 of each weight file, which :func:`skipdecode.load` checks).
 
         The directory is written under a temporary name and renamed into place, so a crash never
-        leaves a half-written checkpoint. Returns the directory path.
+        leaves a half-written checkpoint. Returns the directory path. Weights that
+        :func:`skipdecode.load` stored column-major (:mod:`skipdecode.layout`) are made contiguous
+        first, as safetensors requires; the model keeps working, with the row-major batch-1 speed.
 
         Raises:
             ValueError: the weights are quantized (``load(quantize=...)``): save the float model
@@ -255,6 +257,9 @@ class SkipModel:
             raise ValueError(
                 f"cannot save a {self.quantize}-quantized model: save the float model and pass quantize= to load()"
             )
+        from .layout import row_major
+
+        row_major(self.model)  # safetensors stores contiguous tensors (load() re-lays them)
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))

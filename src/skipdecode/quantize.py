@@ -355,6 +355,9 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
         return model
     if quantized_mode(model) is not None:
         raise QuantizeError(f"the model is already quantized ({quantized_mode(model)})")
+    from .layout import row_major
+
+    row_major(model)  # the quantizers and their kernels expect contiguous float weights
     if layers is None:
         from .adapters import get_adapter
 

@@ -142,8 +142,11 @@ class _Run:
         """LoRA or full model, the frozen teacher, gradient checkpointing, optimizer, scheduler."""
         from transformers import get_scheduler
 
+        from ..layout import row_major
+
         c = self.config
         hf_model = self.sk.model
+        row_major(hf_model)  # load() stores CPU float32 weights column-major; peft and AdamW expect contiguous
         hf_model.to(self.accelerator.device)
         self.teacher_adapter: Adapter | None = self.own_teacher
         if c.kl_weight > 0 and c.lora_r == 0 and self.own_teacher is None:
