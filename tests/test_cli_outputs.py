@@ -93,4 +93,15 @@ def test_too_many_warmup_layers_names_warmup_layers_not_speedup(saved):
     res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", "--speedup", "2",
                       "--warmup-layers", "7"])
     assert res.exit_code == 2, res.output
-    assert "warmup_layers" in text and "speedupmustbe" not in text
+    assert "--warmup-layersmustbe<num_layers" in text and "speedupmustbe" not in text  # the CLI's option name
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--speedup", "0"], "--speedupmustbeafinitenumber>=1"),
+    (["--max-layers", "3", "--min-layers", "4"], "--min-layersmustbein[1,3]"),
+])
+def test_policy_errors_name_the_cli_option(saved, extra, want):
+    """The policy's own message names its field (``speedup``, ``min_layers``); on the command line
+    it names the option the user typed."""
+    res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", *extra])
+    assert res.exit_code == 2 and want in text, res.output

@@ -35,7 +35,16 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
             )
         return model.policy
     except ValueError as e:
-        fail(str(e))
+        fail(_as_option(str(e), ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon")))
+
+
+def _as_option(message: str, fields: tuple[str, ...]) -> str:
+    """``message`` with a leading library field name written as its CLI option
+    (``speedup must ...`` -> ``--speedup must ...``, ``max_layers`` -> ``--max-layers``)."""
+    head, _, rest = message.partition(" ")
+    if head in fields:
+        return f"--{head.replace('_', '-')} {rest}"
+    return message
 
 
 def runs_every_layer(policy) -> bool:
