@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=False,
                     help="backward through the prompt positions (--no-prompt-grad: the prompt runs under "
                          "no_grad at full depth, TrainConfig.prompt_grad=False)")
+    ap.add_argument("--base-prefill", action=argparse.BooleanOptionalAction, default=False,
+                    help="the base model (adapter off) prefills the prompt and the adapter trains on decode "
+                         "positions only: a decode-only adapter (TrainConfig.base_prefill)")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=0.05,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
-        distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad, base_model="smollm2-135m-instruct" if args.model is None else None,
+        distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad,
+        base_prefill=args.base_prefill, base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
         resume=args.resume, progress=False, seed=0, device=args.device,
     )

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import SkipCache
+from .lowrank import base_prefill
 from .forward import layer_attention_masks, positions_from_mask, skip_forward
 from .generate import GenerationResult, _eos_ids, encode_prompts
 from .limits import check_stop
@@ -199,7 +200,8 @@ def calm_generate_ids(
         _sync(device)
         start = time.perf_counter()
         if step == 0:  # full-depth prefill, same call as generate_step (PITFALLS 6, 7)
-            logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
+            with base_prefill(adapter.model):  # a decode-only skip adapter is off in the prefill
+                logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
             K = mask.shape[1]

@@ -29,6 +29,7 @@ import torch
 
 from .adapters import Adapter
 from .cache import SkipCache, SlotCache
+from .lowrank import base_prefill
 from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
@@ -249,9 +250,10 @@ class Engine:
             ids[i, P - lens[i] :] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
             mask[i, P - lens[i] :] = 1
         prefill_cache = SkipCache(self.adapter.num_layers, capacity=P)
-        logits = skip_forward(
-            self.adapter, ids.to(self.device), mask.to(self.device), cache=prefill_cache, logits_last_only=True
-        )[:, -1]
+        with base_prefill(self.adapter.model):  # a decode-only skip adapter is off in the prefill
+            logits = skip_forward(
+                self.adapter, ids.to(self.device), mask.to(self.device), cache=prefill_cache, logits_last_only=True
+            )[:, -1]
         rows = []
         for i, r in enumerate(joiners):
             slot = heapq.heappop(self.free_slots)

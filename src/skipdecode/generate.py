@@ -16,6 +16,7 @@ import torch
 
 from .adapters import Adapter
 from .cache import SkipCache
+from .lowrank import base_prefill
 from .forward import skip_forward
 from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy, theoretical_speedup
@@ -147,7 +148,8 @@ def generate_step(
         start = time.perf_counter()
         if step == 0:
             active = full
-            logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
+            with base_prefill(adapter.model):  # a decode-only skip adapter is off in the prefill
+                logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)

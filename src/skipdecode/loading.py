@@ -172,6 +172,8 @@ def load(
         raise LoadError("compile='kernels' needs quantize='int8' or 'int4' (it compiles the quantized products)")
     # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
     unmerged: list[Path] | None = [] if quantize == "int4" else None
+    # decode-only adapters (their prefill runs the base weights): (folder, merged) to wrap later
+    decode_only: list[tuple[Path, bool]] = []
     skip_config: dict[str, Any] = {}
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
@@ -202,7 +204,7 @@ def load(
                 except SkipConfigError as err:
                     raise LoadError(str(err)) from None
             _check_weight_files(path)
-            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged)
+            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged, decode_only)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
             raise LoadError(f"model path {model} does not exist")
         else:
@@ -215,7 +217,8 @@ def load(
                 ) from None
         source = str(model)
     name = DEFAULT_MODEL if model is None else str(model)
-    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged)
+    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged,
+                                                        decode_only)
     hf_model = hf_model.to(device).eval()
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
@@ -232,27 +235,33 @@ def load(
     if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
         raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
                         f"but the model has {sk.num_layers} layers; the file belongs to another model")
-    return _accelerate(sk, quantize, compile, unmerged or [])
+    return _accelerate(sk, quantize, compile, unmerged or [], decode_only)
 
 
-def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerged: list[Path]) -> SkipModel:
+def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerged: list[Path],
+                decode_only: list[tuple[Path, bool]] = ()) -> SkipModel:
     """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model; the LoRA adapters in
-    ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`). Float32
-    weights on the CPU are stored column-major (:func:`skipdecode.layout.column_major`: a faster
-    batch-1 decode step, same values)."""
+    ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`), and the
+    decode-only adapters in ``decode_only`` ((folder, merged) pairs) get their prefill switch.
+    Float32 weights on the CPU are stored column-major (:func:`skipdecode.layout.column_major`: a
+    faster batch-1 decode step, same values)."""
+    from .lowrank import LoraFormatError, attach_lora
+
     if quantize is None:
         from .layout import column_major
 
         column_major(sk.model)
-    else:
-        from .lowrank import LoraFormatError, attach_lora
-
-        try:
+    try:
+        if quantize is not None:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)
-            for path in unmerged:
-                attach_lora(sk.model, path)
-        except (QuantizeError, LoraFormatError) as err:
-            raise LoadError(str(err)) from None
+        only = {p for p, _ in decode_only}
+        for path in unmerged:
+            attach_lora(sk.model, path, decode_only=path in only)
+        for path, merged in decode_only:
+            if merged:
+                attach_lora(sk.model, path, merged=True, decode_only=True)
+    except (QuantizeError, LoraFormatError) as err:
+        raise LoadError(str(err)) from None
     if compile:
         from .compiled import compile_adapter, warm_up
 
@@ -261,9 +270,11 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
     return sk
 
 
-def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None) -> tuple[Any, Any]:
+def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None,
+                 decode_only: list[tuple[Path, bool]]) -> tuple[Any, Any]:
     """Model and tokenizer of a local checkpoint folder (plain HF checkpoint or LoRA adapter; a
-    LoRA adapter is merged, or appended to ``unmerged`` when that is a list).
+    LoRA adapter is merged, or appended to ``unmerged`` when that is a list; a decode-only one is
+    also recorded in ``decode_only``, see :func:`skipdecode.skip_adapter.is_decode_only`).
 
     Raises:
         LoadError: the folder is not a checkpoint, or transformers/peft cannot read one of its
@@ -273,7 +284,7 @@ def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: li
         raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
     try:
         if (path / "adapter_config.json").exists():
-            return _from_lora(path, skip_config, dtype, unmerged)
+            return _from_lora(path, skip_config, dtype, unmerged, decode_only)
         return _from_pretrained(str(path), dtype)
     except LoadError:
         raise
@@ -304,14 +315,18 @@ def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     return hf_model, tokenizer
 
 
-def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None) -> tuple[Any, Any]:
+def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None,
+               decode_only: list[tuple[Path, bool]]) -> tuple[Any, Any]:
     """Load a peft LoRA adapter and merge it into its base, so decoding pays nothing for it
-    (or, when ``unmerged`` is a list, return the base and append ``path`` to it)."""
+    (or, when ``unmerged`` is a list, return the base and append ``path`` to it); a decode-only
+    adapter is also appended to ``decode_only``."""
     from peft import PeftModel
 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
     base = load(base_name, dtype=dtype, adapter=False)
+    if _decode_only(skip_config):
+        decode_only.append((path, unmerged is None))
     if unmerged is not None:
         unmerged.append(path)
         return base.model, base.tokenizer
@@ -322,7 +337,8 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list
 
 def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: str,
                         skip_config: dict[str, Any], source: str,
-                        unmerged: list[Path] | None = None) -> tuple[Any, dict[str, Any], str]:
+                        unmerged: list[Path] | None = None,
+                        decode_only: list[tuple[Path, bool]] | None = None) -> tuple[Any, dict[str, Any], str]:
     """Merge the requested skip adapter (see :func:`load`'s ``adapter``), or append its folder to
     ``unmerged`` when that is a list (applied after quantization); the adapter's ``skipdecode.json``
     replaces the model's, plus a ``skip_adapter`` summary for reports."""
@@ -345,8 +361,17 @@ def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: 
             hf_model = sa.merge_adapter(hf_model, path)
         else:
             unmerged.append(path)
+        if _decode_only(meta) and decode_only is not None:
+            decode_only.append((path, unmerged is None))
         summary = {**sa.adapter_summary(path, shipped=adapter is True), "merged": unmerged is None}
     except (sa.AdapterError, SkipConfigError) as e:
         raise LoadError(str(e)) from None
     merged = {**skip_config, **{k: v for k, v in meta.items() if k != "losses"}, "skip_adapter": summary}
     return hf_model, merged, f"{source} + skip adapter {summary['path']}"
+
+
+
+def _decode_only(skip_config: dict[str, Any]) -> bool:
+    from .skip_adapter import is_decode_only
+
+    return is_decode_only(skip_config)

@@ -8,19 +8,32 @@ the shipped skip adapter's delta and 7 % of a full 2x fine-tune's, int8 keeps 10
 with ``load(..., quantize="int4")`` an adapter stays a separate float path,
 ``y = Q(W) x + (alpha / r) B (A x)`` (QLoRA's inference form, Dettmers et al. 2023): exact for the
 adapter, and at rank 8 it adds 2 x r x (in + out) multiply-adds per token and linear.
+
+**Decode-only adapters** (trained with ``TrainConfig.base_prefill``): the base model prefills the
+prompt and the adapter runs on decode steps only. Every wrapper of a model shares one
+:class:`PrefillSwitch`; inside :func:`base_prefill` an unmerged wrapper drops its delta, and a
+wrapper around weights the delta was merged into (float32, int8) subtracts it again,
+``y = (W + s B A) x - s B (A x)``, so decoding keeps the merged weights' speed and only the
+prefill (compute-bound, many tokens) pays the two thin products.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LowRankLinear", "read_lora", "attach_lora", "LoraFormatError"]
+__all__ = ["LowRankLinear", "PrefillSwitch", "base_prefill", "has_decode_only_adapter", "read_lora", "attach_lora",
+           "LoraFormatError"]
+
+#: attribute of the HF model that holds its decode-only adapter's :class:`PrefillSwitch`
+SWITCH_ATTR = "_skipdecode_prefill_switch"
 
 _PREFIX = "base_model.model."
 #: adapter_config.json fields whose non-default values change what the adapter computes
@@ -31,21 +44,34 @@ class LoraFormatError(ValueError):
     """The folder is not a plain LoRA adapter this module can apply, or it does not fit the model."""
 
 
+class PrefillSwitch:
+    """Shared by the :class:`LowRankLinear` wrappers of one model: ``base`` is True while the base
+    model runs (a decode-only adapter's prefill, :func:`base_prefill`)."""
+
+    def __init__(self) -> None:
+        self.base = False
+
+
 class LowRankLinear(nn.Module):
     """``base(x) + scaling * (x A^T) B^T``: a linear layer (float or quantized) plus an unmerged
-    LoRA delta in float32.
+    LoRA delta in float32; or, for a decode-only adapter, its prefill switch (module docstring).
 
     Args:
         base: the layer it wraps; input (..., in_features) -> output (..., out_features).
         lora_A: (r, in_features) float.
         lora_B: (out_features, r) float.
         scaling: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), a float.
+        merged: the delta is already merged into ``base``'s weights; the wrapper then only
+            subtracts it while ``switch.base`` is set (needs ``switch``).
+        switch: a decode-only adapter's :class:`PrefillSwitch` (None: the delta always applies).
 
     Raises:
         LoraFormatError: the shapes do not fit ``base``'s in/out features or each other.
+        ValueError: ``merged`` without a ``switch``.
     """
 
-    def __init__(self, base: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> None:
+    def __init__(self, base: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *,
+                 merged: bool = False, switch: PrefillSwitch | None = None) -> None:
         super().__init__()
         n_in, n_out = _features(base)
         r = lora_A.shape[0]
@@ -57,10 +83,42 @@ class LowRankLinear(nn.Module):
         self.register_buffer("lora_A", lora_A.detach().float().contiguous())
         self.register_buffer("lora_B", lora_B.detach().float().contiguous())
         self.scaling = float(scaling)
+        if merged and switch is None:
+            raise ValueError("merged=True needs a PrefillSwitch: a merged delta is only ever subtracted in the prefill")
+        self.merged = merged
+        self.switch = switch
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scaling).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delta = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scaling
-        return self.base(x) + delta.to(x.dtype)
+        """(..., in_features) -> (..., out_features): base plus the delta, or the base model's
+        output while a decode-only adapter's switch is on."""
+        base_only = self.switch is not None and self.switch.base
+        if self.merged:
+            return self.base(x) - self._delta(x) if base_only else self.base(x)
+        return self.base(x) if base_only else self.base(x) + self._delta(x)
+
+
+@contextmanager
+def base_prefill(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` (the HF model) as its base model inside the block when it carries a
+    decode-only adapter (:func:`attach_lora` with ``decode_only``); otherwise do nothing.
+    Every prefill site of the generation loop enters it (generate, the in-flight engine, CALM)."""
+    switch = getattr(model, SWITCH_ATTR, None)
+    if switch is None or switch.base:
+        yield
+        return
+    switch.base = True
+    try:
+        yield
+    finally:
+        switch.base = False
+
+
+def has_decode_only_adapter(model: nn.Module) -> bool:
+    """True when ``model`` (the HF model) carries a decode-only adapter."""
+    return getattr(model, SWITCH_ATTR, None) is not None
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -118,9 +176,17 @@ def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Te
     return out
 
 
-def attach_lora(model: nn.Module, path: str | os.PathLike) -> int:
+def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = False, decode_only: bool = False) -> int:
     """Wrap every module that the adapter in ``path`` adapts in a :class:`LowRankLinear`
     (in place; after quantization, so the wrapped layer may be an int8/int4 module).
+
+    Args:
+        model: the HF model.
+        path: the LoRA adapter folder.
+        merged: the adapter is already merged into ``model``'s weights (needs ``decode_only``:
+            the wrappers then only take it out again in :func:`base_prefill`).
+        decode_only: the adapter was trained for decode steps only (``TrainConfig.base_prefill``):
+            the wrappers share one :class:`PrefillSwitch`, stored on ``model``.
 
     Returns:
         The number of wrapped modules.
@@ -129,7 +195,10 @@ def attach_lora(model: nn.Module, path: str | os.PathLike) -> int:
         LoraFormatError: see :func:`read_lora`; a module path the model does not have; shapes
             that do not fit.
     """
+    if merged and not decode_only:
+        raise ValueError("attach_lora: merged=True is for decode-only adapters (decode_only=True)")
     deltas = read_lora(path)
+    switch = (getattr(model, SWITCH_ATTR, None) or PrefillSwitch()) if decode_only else None
     for name, (a, b, scaling) in deltas.items():
         parent_name, _, child = name.rpartition(".")
         try:
@@ -138,9 +207,11 @@ def attach_lora(model: nn.Module, path: str | os.PathLike) -> int:
         except AttributeError:
             raise LoraFormatError(f"adapter {path} adapts {name}, which this model does not have") from None
         try:
-            wrapped = LowRankLinear(base, a, b, scaling)
+            wrapped = LowRankLinear(base, a, b, scaling, merged=merged, switch=switch)
         except LoraFormatError as e:
             raise LoraFormatError(f"adapter {path}, {name}: {e}") from None
         tensors = [*base.parameters(), *base.buffers()]  # a quantized layer holds only buffers
         setattr(parent, child, wrapped.to(tensors[0].device if tensors else a.device))
+    if switch is not None:
+        object.__setattr__(model, SWITCH_ATTR, switch)  # a plain attribute, not a submodule
     return len(deltas)

@@ -251,11 +251,18 @@ class SkipModel:
 
         Raises:
             ValueError: the weights are quantized (``load(quantize=...)``): save the float model
-                and quantize it at load time instead.
+                and quantize it at load time instead; or the model runs a decode-only skip adapter.
         """
         if self.quantize is not None:
             raise ValueError(
                 f"cannot save a {self.quantize}-quantized model: save the float model and pass quantize= to load()"
+            )
+        from .lowrank import has_decode_only_adapter
+
+        if has_decode_only_adapter(self.model):
+            raise ValueError(
+                "cannot save a model that runs a decode-only skip adapter (its prefill uses the base weights, "
+                "which one checkpoint cannot hold): save load(..., adapter=False) and keep the adapter folder"
             )
         from .layout import row_major
 

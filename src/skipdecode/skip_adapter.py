@@ -11,7 +11,9 @@ The package ships one, for the embedded SmolLM2-135M-Instruct
 schedule with ``benchmarks/train_adapter.py``). :func:`skipdecode.load` merges it into the weights
 by default when it loads the embedded model (``adapter=False`` keeps the stock weights), and the
 adapter's policy becomes the model's default policy, as for any checkpoint written by
-``skipdecode train``. **At full depth** (``FullPolicy``, ``--speedup 1``) the model then runs the
+``skipdecode train``. A *decode-only* adapter (trained with ``TrainConfig.base_prefill``, recorded
+as ``training.config.base_prefill`` in its ``skipdecode.json``) is applied to decode steps only:
+the base model prefills the prompt (:func:`skipdecode.lowrank.base_prefill`). **At full depth** (``FullPolicy``, ``--speedup 1``) the model then runs the
 adapted weights, not the stock ones: full-depth answers differ slightly from the stock model's
 (measured in ``benchmarks/results/adapter_agreement.md``); load with ``adapter=False``
 (``--no-adapter``) for the stock model. Merging makes decoding cost nothing extra.
@@ -32,6 +34,7 @@ __all__ = [
     "shipped_adapter_for",
     "read_adapter_config",
     "merge_adapter",
+    "is_decode_only",
     "adapter_summary",
     "install_adapter",
 ]
@@ -114,6 +117,15 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     return merged
 
 
+def is_decode_only(skip_config: dict[str, Any]) -> bool:
+    """Whether a LoRA adapter's ``skipdecode.json`` (``skip_config``) records a decode-only adapter:
+    trained with ``TrainConfig.base_prefill`` (its ``training.config.base_prefill``), so the base
+    model must prefill the prompt (:func:`skipdecode.lowrank.base_prefill`)."""
+    training = skip_config.get("training")
+    config = training.get("config") if isinstance(training, dict) else None
+    return bool(isinstance(config, dict) and config.get("base_prefill") is True)
+
+
 def _size_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
@@ -139,6 +151,7 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
         "policy": meta.get("policy"),
         "speedups": meta.get("speedups"),
         "training": meta.get("adapter", {}),
+        "decode_only": is_decode_only(meta),
     }
 
 

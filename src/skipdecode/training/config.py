@@ -96,6 +96,11 @@ class TrainConfig:
             ``torch.no_grad()`` and the response positions train against its keys/values (the
             loss value is unchanged; no gradient flows through the prompt's activations).
             Cannot be combined with ``gradient_checkpointing``.
+        base_prefill: True: the prompt (every token, its last included) is prefilled by the base
+            model with the LoRA adapter switched off, as :func:`skipdecode.load` runs a
+            decode-only skip adapter; the adapter trains on the decode positions only, and
+            response token 0 (predicted by the prefill) is the base model's. Needs
+            ``lora_r`` >= 1 and ``prompt_grad=False``.
 
     Distillation:
         distill: train on the full-depth model's own greedy answers (computed before training,
@@ -155,6 +160,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     teacher_forcing: str = "sparse"
     prompt_grad: bool = True
+    base_prefill: bool = False
     seed: int = 0
     device: str = "cpu"
     bf16: bool = False
@@ -283,6 +289,9 @@ def _check_optimisation(c: "TrainConfig") -> None:
     if c.teacher_forcing not in TEACHER_FORCING_MODES:
         _fail("teacher_forcing", f"must be one of {', '.join(TEACHER_FORCING_MODES)}, got {c.teacher_forcing!r}")
     _check_bool(c, "prompt_grad")
+    _check_bool(c, "base_prefill")
+    if c.base_prefill and c.prompt_grad:
+        _fail("base_prefill", "needs prompt_grad=false (the base model prefills the prompt without gradient)")
     if not c.prompt_grad and c.gradient_checkpointing:
         _fail("gradient_checkpointing", "cannot be combined with prompt_grad=false (Hugging Face checkpointed "
                                         "layers drop the prompt's cached keys/values)")
@@ -308,6 +317,8 @@ def _check_distill_lora(c: "TrainConfig") -> None:
         _fail("lora_dropout", f"must be in [0, 1), got {c.lora_dropout!r}")
     if c.lora_r == 0 and (c.lora_alpha is not None or c.lora_dropout):
         _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1")
+    if c.base_prefill and c.lora_r == 0:
+        _fail("base_prefill", "needs lora_r >= 1 (the base model is the LoRA adapter switched off)")
     if c.base_model is not None and (not isinstance(c.base_model, str) or not c.base_model):
         _fail("base_model", f"must be a non-empty string, got {c.base_model!r}")
 
@@ -327,7 +338,7 @@ RESUME_FIELDS = (
     "val_fraction", "max_val_examples", "chat", "response_separator", "epochs", "max_steps", "lr",
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
-    "lora_dropout", "skip_bad_rows", "prompt_grad",
+    "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill",
 )
 
 

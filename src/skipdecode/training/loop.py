@@ -172,7 +172,8 @@ class _Run:
             _enable_checkpointing(inner, adapter)
         if self.ckpt is not None:
             ck.load_weights(self.ckpt, hf_model, self.peft_model)
-        module = SkipLossModule(trainable, adapter, sparse=c.teacher_forcing == "sparse", prompt_grad=c.prompt_grad)
+        module = SkipLossModule(trainable, adapter, sparse=c.teacher_forcing == "sparse", prompt_grad=c.prompt_grad,
+                                base_prefill=c.base_prefill)
         module.train()
         self.params = [p for p in module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay)

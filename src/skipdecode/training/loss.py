@@ -19,7 +19,7 @@ Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,41 @@ def _hidden_prompt_no_grad(adapter: Adapter, batch: Batch, layer_mask: torch.Ten
     return hidden[parts["targets"]]
 
 
+def _hidden_base_prefill(adapter: Adapter, batch: Batch, layer_mask: torch.Tensor, sparse: bool,
+                         base_context: Callable[[], ContextManager]) -> torch.Tensor:
+    """Final hidden states (N, C) at the target positions when the base model prefills the prompt.
+
+    The whole prompt (its last token included) runs at full depth under ``torch.no_grad()`` and
+    ``base_context()`` (the LoRA adapter switched off), as a decode-only skip adapter is run at
+    inference (:func:`skipdecode.load`): its last position gives response token 0. Response tokens
+    0 .. n-2 then run with the adapter on, under their plans, against the prompt's keys/values, and
+    give tokens 1 .. n-1. Row-major order, as ``batch.target_mask()``."""
+    ids, P, S = batch.input_ids, batch.prompt_lens, batch.seq_lens
+    T, dev = ids.shape[1], ids.device
+    n = S - P  # response lengths (tokens), >= 1
+    C, R = int(P.max()), int(n.max()) - 1
+    src_c = P[:, None] - C + torch.arange(C, device=dev)[None]  # (B, C), left-padded prompt
+    src_s = P[:, None] + torch.arange(R, device=dev)[None]  # (B, R), response tokens 0 .. n-2
+    ctx_ok, suf_ok = src_c >= 0, src_s < (S - 1)[:, None]
+    pad = torch.zeros((), dtype=ids.dtype, device=dev)
+    ctx_ids = torch.where(ctx_ok, ids.gather(1, src_c.clamp_min(0)), pad)
+    cache = SkipCache(adapter.num_layers, capacity=C)
+    with torch.no_grad(), base_context():
+        h_prompt = skip_forward(adapter, ctx_ids, ctx_ok.long(), cache=cache, return_hidden=True)  # (B, C, H)
+    first = h_prompt[:, -1:]  # (B, 1, H): predicts response token 0
+    if R == 0:
+        return first[:, 0]
+    suf_src = src_s.clamp_max(T - 1)
+    suf_ids = torch.where(suf_ok, ids.gather(1, suf_src), pad)
+    L = layer_mask.shape[-1]
+    suffix_mask = layer_mask.gather(1, suf_src[..., None].expand(-1, -1, L)) & suf_ok[..., None]
+    hidden = skip_forward(adapter, suf_ids, torch.cat([ctx_ok, suf_ok], 1).long(), layer_mask=suffix_mask,
+                          kv_prefix=PrefixKV(cache), return_hidden=True, sparse=sparse)  # (B, R, H)
+    both = torch.cat([first, hidden], 1)  # (B, R + 1, H): column j predicts response token j
+    targets = torch.arange(R + 1, device=dev)[None] < n[:, None]
+    return both[targets]
+
+
 def target_logits(
     adapter: Adapter,
     batch: Batch,
@@ -111,6 +146,7 @@ def target_logits(
     *,
     sparse: bool = True,
     prompt_grad: bool = True,
+    base_context: Callable[[], ContextManager] | None = None,
 ) -> torch.Tensor:
     """Logits (N, V) at the N positions of ``batch.target_mask()`` (row-major order).
 
@@ -121,8 +157,16 @@ def target_logits(
         sparse: run each layer on the prefix of positions that need it (exact; module docstring).
         prompt_grad: False: the prompt less its last token runs under ``torch.no_grad()`` (same
             values, no gradient through it).
+        base_context: a context manager factory that switches the LoRA adapter off (peft's
+            ``disable_adapter``): the base model prefills the whole prompt without gradient, the
+            adapter runs on the response positions only (``TrainConfig.base_prefill``).
     """
-    if not prompt_grad:
+    if base_context is not None:
+        if layer_mask is None:
+            layer_mask = torch.ones((*batch.input_ids.shape, adapter.num_layers), dtype=torch.bool,
+                                    device=batch.input_ids.device) & batch.attention_mask.bool()[..., None]
+        hidden = _hidden_base_prefill(adapter, batch, layer_mask, sparse, base_context)
+    elif not prompt_grad:
         if layer_mask is None:
             layer_mask = torch.ones((*batch.input_ids.shape, adapter.num_layers), dtype=torch.bool,
                                     device=batch.input_ids.device) & batch.attention_mask.bool()[..., None]
@@ -177,14 +221,18 @@ class SkipLossModule(nn.Module):
             ``peft_model.base_model.model``, whose LoRA layers are injected in place).
         sparse: sparse (default) or masked teacher forcing (:func:`target_logits`).
         prompt_grad: gradient through the prompt (default) or not (:func:`target_logits`).
+        base_prefill: the base model (``model.disable_adapter()``, a peft model) prefills the
+            prompt; the adapter trains on the response positions (:func:`target_logits`).
     """
 
-    def __init__(self, model: nn.Module, adapter: Adapter, *, sparse: bool = True, prompt_grad: bool = True) -> None:
+    def __init__(self, model: nn.Module, adapter: Adapter, *, sparse: bool = True, prompt_grad: bool = True,
+                 base_prefill: bool = False) -> None:
         super().__init__()
         self.model = model
         self.adapter = adapter  # not a Module: no duplicate registration
         self.sparse = sparse
         self.prompt_grad = prompt_grad
+        self.base_prefill = base_prefill
 
     def forward(
         self,
@@ -208,8 +256,10 @@ class SkipLossModule(nn.Module):
             cross-entropy and of KL(teacher || student) (0 without teacher logits).
         """
         batch = Batch(input_ids, attention_mask, prompt_lens, seq_lens)
+        base = self.model.disable_adapter if self.base_prefill else None
         logits = target_logits(self.adapter, batch, layer_mask, sparse=self.sparse,
-                               prompt_grad=self.prompt_grad or not torch.is_grad_enabled()).float()
+                               prompt_grad=self.prompt_grad or not torch.is_grad_enabled(),
+                               base_context=base).float()
         targets = batch.labels()[batch.target_mask()]
         ce = F.cross_entropy(logits, targets, reduction="sum")
         if teacher_logits is None:
