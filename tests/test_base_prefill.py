@@ -98,3 +98,30 @@ def test_base_prefill_config_errors(tmp_path):
         with pytest.raises(TrainConfigError) as info:
             cfg(tmp_path / "x", **kw)
         assert info.value.field == field, kw
+
+
+def test_cli_base_prefill(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from test_train import examples, tiny_skipmodel
+
+    from skipdecode.cli import app
+
+    model_dir = tmp_path / "model"
+    tiny_skipmodel().save_pretrained(model_dir)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
+    base = ["train", "--model", str(model_dir), "--data", str(data), "--speedup", "2", "--max-steps", "1",
+            "--batch-size", "2", "--no-progress", "--val-fraction", "0", "--base-prefill"]
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "bad"), "--lora-r", "2"])  # prompt_grad on
+    assert res.exit_code == 2 and "--base-prefill" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "run"), "--lora-r", "2", "--no-prompt-grad"])
+    assert res.exit_code == 0, res.output
+    saved = json.loads((tmp_path / "run" / "final" / "skipdecode.json").read_text())
+    assert saved["training"]["config"]["base_prefill"] is True
+    from skipdecode import load
+    from skipdecode.lowrank import has_decode_only_adapter
+
+    assert has_decode_only_adapter(load(str(tmp_path / "run" / "final")).model)  # loads as decode-only
