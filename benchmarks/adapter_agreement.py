@@ -7,11 +7,14 @@ reference answers; then each configuration answers the same prompts and is score
 * ``exact``: share of answers identical to the reference (token for token), in %;
 * ``rougeL``: ROUGE-L F-measure against the reference answer (rouge-score, stemmed, 0-100,
   :func:`skipdecode.metrics.rouge`);
+* ``first_divergence``: mean index of the first token that differs from the reference (tokens);
 * mean active layers per decode step and the realised theoretical speedup
   (L x decode steps / layers run, over all batches).
 
 Rows: stock at 2x, adapted at 2x, adapted at 3x, adapted at full depth (and stock at full depth,
-the reference itself). 2x and 3x are :func:`skipdecode.policy.for_speedup` with the adapter's
+the reference itself). With ``--calibrate`` (default) also the stock model at full depth with int8
+weights: a model anyone would call the same one, whose answers still drift from the float32 ones
+a few tokens in; its ROUGE-L is the metric's noise floor. 2x and 3x are :func:`skipdecode.policy.for_speedup` with the adapter's
 horizon (2x = the adapter's trained schedule, 21 -> 9 layers over 32 tokens).
 
     python benchmarks/adapter_agreement.py                          # the shipped adapter
@@ -66,12 +69,24 @@ def run(sk, prompts: list[str], policy, *, max_new_tokens: int, batch_size: int)
             "seconds": time.perf_counter() - t0}
 
 
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first token where ``a`` and ``b`` differ (tokens); the shorter length when one
+    is a prefix of the other (equal answers: their length)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
 def score(out: dict, ref: dict) -> dict:
-    """Exact-match share (%) and ROUGE-L (0-100) of ``out`` against ``ref``."""
+    """Exact-match share (%), ROUGE-L (0-100) and mean first divergence (tokens) of ``out``
+    against ``ref``."""
     from skipdecode.metrics import rouge
 
     exact = sum(a == b for a, b in zip(out["token_ids"], ref["token_ids"])) / len(ref["token_ids"])
-    return {"exact": 100 * exact, "rougeL": rouge(out["texts"], [[t] for t in ref["texts"]])["rougeL"]}
+    div = [first_divergence(a, b) for a, b in zip(out["token_ids"], ref["token_ids"])]
+    return {"exact": 100 * exact, "rougeL": rouge(out["texts"], [[t] for t in ref["texts"]])["rougeL"],
+            "first_divergence": sum(div) / len(div)}
 
 
 def _sha256_dir(path: Path) -> str:
@@ -86,10 +101,12 @@ def to_markdown(report: dict, n_examples: int = 4) -> str:
     """The table and a few side-by-side examples."""
     lines = [f"Held-out prompts: {report['n_prompts']} (never trained on), greedy, chat template, "
              f"at most {report['max_new_tokens']} new tokens; reference = the stock model at full depth.", "",
-             "| model | policy | identical answers | ROUGE-L vs full depth | mean active layers | theoretical speedup |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| model | policy | identical answers | ROUGE-L vs full depth | first divergence (tokens) | "
+             "mean active layers | theoretical speedup |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        lines.append(f"| {r['model']} | {r['policy_label']} | {r['exact']:.1f} % | {r['rougeL']:.1f} | "
+        div = f"{r['first_divergence']:.1f}" if "first_divergence" in r else ""
+        lines.append(f"| {r['model']} | {r['policy_label']} | {r['exact']:.1f} % | {r['rougeL']:.1f} | {div} | "
                      f"{r['mean_active_layers']:.2f}/{report['num_layers']} | {r['theoretical_speedup']:.2f}x |")
     lines += ["", "Examples (held-out prompts):", ""]
     by = {(r["model"], r["policy_label"]): r for r in report["rows"]}
@@ -119,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="load the adapted model with these weights (the reference stays the float32 stock model)")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="add the stock model at full depth with int8 weights: how far a model everyone would "
+                         "call the same one lands on this metric (its noise floor)")
     ap.add_argument("--name", default="adapter_agreement")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -147,12 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     L = stock.num_layers
     kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     configs = [("stock", "full", stock, FullPolicy(L)), ("stock", "2x", stock, for_speedup(L, 2, horizon))]
+    if args.calibrate:
+        configs.append(("stock int8", "full", None, FullPolicy(L)))  # loaded when its turn comes
     for s in (float(x) for x in args.speedups.split(",")):
         configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon)))
     configs.append((adapted_name, "full", adapted, FullPolicy(L)))
 
     rows, ref = [], None
     for model_name, label, sk, policy in configs:
+        if sk is None:
+            sk = skipdecode.load(adapter=False, quantize="int8")
         out = run(sk, prompts, policy, **kw)
         if ref is None:
             ref = out

@@ -1,0 +1,38 @@
+"""The agreement scores of ``benchmarks/adapter_agreement.py``: exact share, ROUGE-L against the
+reference answers, and the first divergence (tokens), plus its Markdown table."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_recipe_study import load_script
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("adapter_agreement")
+
+
+def test_first_divergence(script):
+    assert script.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert script.first_divergence([5, 2], [1, 2]) == 0
+    assert script.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert script.first_divergence([1, 2], [1, 2, 3, 4]) == 2  # a prefix: its length
+
+
+def test_score_against_reference(script):
+    ref = {"texts": ["the cat sat", "a dog ran home"], "token_ids": [[1, 2, 3], [4, 5, 6, 7]]}
+    out = {"texts": ["the cat sat", "a dog ran"], "token_ids": [[1, 2, 3], [4, 5, 6, 9]]}
+    s = script.score(out, ref)
+    assert s["exact"] == pytest.approx(50.0)
+    assert s["first_divergence"] == pytest.approx((3 + 3) / 2)
+    assert 80 < s["rougeL"] < 100  # one answer identical, one missing a word
+    assert script.score(ref, ref)["rougeL"] == pytest.approx(100.0)
+
+
+def test_markdown_has_the_divergence_column(script):
+    row = {"model": "stock", "policy_label": "full", "exact": 100.0, "rougeL": 100.0, "first_divergence": 12.5,
+           "mean_active_layers": 30.0, "theoretical_speedup": 1.0, "texts": ["x"]}
+    md = script.to_markdown({"n_prompts": 1, "max_new_tokens": 40, "num_layers": 30, "rows": [row],
+                             "example_indices": [0], "prompts": [{"prompt": "p"}]})
+    assert "first divergence (tokens)" in md and "| 12.5 |" in md
