@@ -265,7 +265,7 @@ def test_generate_and_evaluate_pass_the_option_and_record_cached_tokens(tokenize
     assert on.token_ids == off.token_ids
     assert on.stats()["cached_prompt_tokens"] > 0 == off.stats()["cached_prompt_tokens"]
     assert on.cached_prompt_tokens[:2] == [0, 0] and min(on.cached_prompt_tokens[2:]) >= 8
-    items = [EvalItem(p, ["a pub"]) for p in prompts]
+    items = [EvalItem(p, ("a pub",), p) for p in prompts]
     kw = dict(batch_size=2, max_new_tokens=5, stop=(), warmup=False, inflight=True)
     rep_on = evaluate(sk, items, [2.0], **kw)
     rep_off = evaluate(sk, items, [2.0], prefix_cache=False, **kw)
