@@ -72,6 +72,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cohort-size", type=int, default=1,
                    help="in-flight: waiting items join the running rows in cohorts of at least this many "
                         "(1: every free slot at once; fewer distinct decode steps per batch when larger)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="in-flight: prefill every prompt in full (default: items sharing a prompt prefix, "
+                        "e.g. the instruction, reuse its keys and values; same texts)")
     p.add_argument("--sort-by-length", action="store_true",
                    help="batch prompts of similar length together (less padding; outputs stay in item order)")
     return p.parse_args(argv)
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             task=args.task, calm_thresholds=args.calm_threshold, calm_min_layers=args.calm_min_layers,
             calm_models=[calm_model] if args.calm_threshold else None, progress=not args.no_progress,
             command=command, data=str(data), sort_by_length=args.sort_by_length, inflight=not args.static,
-            cohort_size=args.cohort_size,
+            cohort_size=args.cohort_size, prefix_cache=not args.no_prefix_cache,
         )
     except (DataError, ValueError) as e:
         _die(str(e))

@@ -7,6 +7,12 @@ of ``max(8, 2 C)`` E2E-style prompts one after another, ``--max-tokens`` new tok
 full depth and at each ``--speedup`` (the request's ``speedup`` field). Prompts come from the E2E
 test set in the shared data folder (the eval prompt template), else from built-in MRs.
 
+Both servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). Every cell
+starts again from the first prompts, so from the second cell on a server has seen them: a repeated
+prompt reuses all but its last block of tokens. Each row records the prompt tokens its cell reused
+and computed (``cached_prompt_tokens``, ``computed_prompt_tokens``, from ``/health``); compare
+cells with that in mind, or run with ``--no-prefix-cache`` for prefill at full cost throughout.
+
 Prints a Markdown table and ends with one JSON line; writes ``benchmarks/results/server_load.json``
 (repo-relative paths). Targets (issue 10): at 16 clients, in-flight full depth >= 3x the
 requests/s of serial full depth, and in-flight 2x >= 1.5x in-flight full depth.
@@ -55,6 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
     p.add_argument("--cohort-size", type=int, default=1,
                    help="in-flight server: waiting requests join in cohorts of at least this many rows")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="serve with `--no-prefix-cache` (default: the servers reuse shared prompt prefixes; "
+                        "each row records the prompt tokens reused and computed, from /health)")
     p.add_argument("--adapter", action=argparse.BooleanOptionalAction, default=False,
                    help="serve the embedded model with its shipped skip adapter (the users' default); "
                         "off: the stock weights. Ignored with --model")
@@ -104,6 +113,8 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         cmd += ["--model", args.model]
     elif not args.adapter:  # the stock weights (every request names its speedup either way)
         cmd.append("--no-adapter")
+    if args.no_prefix_cache:
+        cmd.append("--no-prefix-cache")
     if serial:
         cmd.append("--serial")
     elif args.cohort_size != 1:
@@ -123,6 +134,13 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
             time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     raise SystemExit("error: the server did not start within 600 s")
+
+
+def prefix_stats(url: str) -> dict | None:
+    """The server's prefix-cache counters from ``/health`` (None when the cache is off)."""
+    import httpx
+
+    return httpx.get(url + "/health", timeout=10).json()["scheduler"].get("prefix_cache")
 
 
 async def one_request(client, prompt: str, max_tokens: int, speedup: float,
@@ -257,7 +275,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for clients in args.clients:
                 for speedup in args.speedups:
+                    before = prefix_stats(url)
                     row = {"mode": mode, **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat))}
+                    after = prefix_stats(url)
+                    for key in ("cached_prompt_tokens", "computed_prompt_tokens"):  # this cell's, warm-up included
+                        row[key] = after[key] - before[key] if after and before else 0
                     rows.append(row)
                     print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
                           f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -270,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
-        "cohort_size": args.cohort_size, "device": args.device,
+        "cohort_size": args.cohort_size, "prefix_cache": not args.no_prefix_cache, "device": args.device,
         "dtype": args.dtype, "rows": rows, "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

@@ -1,7 +1,7 @@
 """Serve the tiny random llama of conftest on loopback (for tests/test_server_loopback.py).
 
     python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
-                                [--step-delay S]
+                                [--step-delay S] [--no-prefix-cache]
 
 ``--step-delay S`` sleeps S seconds in every forward pass of the engine, so that the tiny model
 decodes at the pace of a real one and a test can observe what happens *during* a long generation.
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--max-waiting", type=int, default=256)
     parser.add_argument("--cohort-size", type=int, default=1)
     parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--no-prefix-cache", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -52,6 +53,8 @@ def main() -> None:
     if args.serial or args.max_batch_size != 32 or args.max_waiting != 256 or args.cohort_size != 1:
         kwargs = dict(serial=args.serial, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting,
                       cohort_size=args.cohort_size)
+    if args.no_prefix_cache:
+        kwargs["prefix_cache"] = False
     app = create_app(SkipModel(make_model("llama"), make_tokenizer()), "tiny", **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 

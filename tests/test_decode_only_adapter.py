@@ -73,6 +73,20 @@ def test_prefill_runs_the_base_model_and_decoding_the_adapter(base_dir, adapter_
         assert list(toks) == _reference(stock, merged, prompt, ADAPTER_POLICY)[0]
 
 
+def test_prefix_cache_reuses_base_model_prefixes(base_dir, adapter_dir, decode_only_dir):  # noqa: F811
+    """In flight with prefix caching, later prompts reuse a prefix that the base model computed;
+    their answers still equal the hand-built base-prefill reference."""
+    stock = load(str(base_dir), adapter=False)
+    merged = load(str(base_dir), adapter=str(adapter_dir))
+    only = load(str(base_dir), adapter=str(decode_only_dir))
+    shared = "name[The Eagle] eatType[coffee shop] food[French] priceRange[moderate] area[riverside] near["
+    prompts = [shared + tail for tail in ("Burger King]", "Cafe Rouge]", "The Sorrento]")]
+    res = only.generate(prompts, policy=ADAPTER_POLICY, max_new_tokens=N_NEW, chat=False, max_batch_size=1)
+    assert res.stats()["cached_prompt_tokens"] > 0
+    for prompt, toks in zip(prompts, res.token_ids):
+        assert list(toks) == _reference(stock, merged, prompt, ADAPTER_POLICY)[0]
+
+
 def test_int4_unmerged_decode_only_adapter_is_off_in_the_prefill(base_dir, decode_only_dir):  # noqa: F811
     stock = load(str(base_dir), adapter=False, quantize="int4")
     only = load(str(base_dir), adapter=str(decode_only_dir), quantize="int4")

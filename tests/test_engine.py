@@ -383,13 +383,17 @@ def test_no_layer_receives_a_fully_masked_row(family):
 
 
 def brute_force_mask(attention_mask, num_queries, window=None):
+    """A window counts the row's own tokens: query and key *positions* (the real tokens before
+    them), not columns; with left padding only the two agree, with padding inside a row (between
+    a cached prompt prefix and the rest) only positions are right."""
     B, K = attention_mask.shape
     allowed = torch.zeros((B, num_queries, K), dtype=torch.bool)
     for b in range(B):
+        pos = [max(int(attention_mask[b, : j + 1].sum()) - 1, 0) for j in range(K)]
         for i in range(num_queries):
             q = K - num_queries + i
             for k in range(K):
-                ok = k <= q and bool(attention_mask[b, k]) and (window is None or q - k < window)
+                ok = k <= q and bool(attention_mask[b, k]) and (window is None or pos[q] - pos[k] < window)
                 allowed[b, i, k] = ok or k == q
     return allowed
 

@@ -122,6 +122,8 @@ class SlotCache:
 
     Attributes:
         lengths: (L, S) long tensor, cached positions of every (layer, slot) (tokens).
+        loads: per slot, how many requests :meth:`load_prefill` has put in it (a slot's
+            contents are those of its last load while this count is unchanged).
 
     Raises:
         ValueError: ``num_layers``, ``num_slots`` or ``capacity`` < 1.
@@ -137,6 +139,7 @@ class SlotCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths = torch.zeros((num_layers, num_slots), dtype=torch.long)
+        self.loads = [0] * num_slots
 
     def _ensure(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
         """Allocate (or double) layer ``layer_idx``'s buffers (S, H_kv, size, D) to hold ``need`` positions."""
@@ -151,27 +154,54 @@ class SlotCache:
             v_buf[:, :, : old_k.shape[2]] = self.values[layer_idx]
         self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
 
-    def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int) -> None:
-        """Copy positions ``start:end`` of batch row ``row`` of a prefilled :class:`SkipCache`
-        (every layer) into ``slot`` as its positions ``0:end-start``; the slot's lengths become
-        ``end - start`` in every layer. ``start`` skips the row's left padding (tokens).
+    def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int, prefix: int = 0) -> None:
+        """Copy batch row ``row`` of a prefilled :class:`SkipCache` (every layer) into ``slot``:
+        its columns ``0:prefix`` (a cached prompt prefix, :mod:`skipdecode.prefix_cache`) then
+        ``start:end`` (the positions it computed), as the slot's positions
+        ``0:prefix + end - start``; the slot's lengths become that in every layer. ``start`` skips
+        the row's left padding, which sits between the prefix and the computed positions
+        (columns, tokens).
 
         Raises:
-            ValueError: a layer of ``source`` does not hold ``end`` positions (not a full-depth prefill).
+            ValueError: not ``0 <= prefix <= start <= end``, or a layer of ``source`` does not
+                hold ``end`` positions (not a full-depth prefill).
         """
-        n = end - start
+        if not 0 <= prefix <= start <= end:
+            raise ValueError(f"load_prefill needs 0 <= prefix <= start <= end, got prefix={prefix}, "
+                             f"start={start}, end={end}")
+        n = prefix + end - start
         for layer_idx in range(self.num_layers):
             if source.lengths[layer_idx] < end or source.keys[layer_idx] is None:
                 raise ValueError(
                     f"layer {layer_idx} of the prefill cache holds {source.lengths[layer_idx]} positions, "
                     f"need {end}: a joining request must be prefilled at full depth"
                 )
-            k = source.keys[layer_idx][row : row + 1, :, start:end]
-            v = source.values[layer_idx][row : row + 1, :, start:end]
-            self._ensure(layer_idx, k, v, n)
-            self.keys[layer_idx][slot, :, :n] = k[0]
-            self.values[layer_idx][slot, :, :n] = v[0]
+            k_src, v_src = source.keys[layer_idx], source.values[layer_idx]
+            self._ensure(layer_idx, k_src, v_src, n)
+            k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+            k_buf[slot, :, :prefix] = k_src[row, :, :prefix]
+            v_buf[slot, :, :prefix] = v_src[row, :, :prefix]
+            k_buf[slot, :, prefix:n] = k_src[row, :, start:end]
+            v_buf[slot, :, prefix:n] = v_src[row, :, start:end]
         self.lengths[:, slot] = n
+        self.loads[slot] += 1
+
+    def read(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of positions ``0:n`` of ``slot`` in every layer: ``(keys, values)``, each a list
+        of L tensors (H_kv, n, D). The prompt positions of a slot hold the full-depth prefill in
+        every layer; they stay as loaded after :meth:`free` until the next :meth:`load_prefill`
+        of that slot (``loads[slot]`` counts those), so a caller may read a finished request's
+        prompt until then.
+
+        Raises:
+            ValueError: ``n`` < 1, or more positions than the slot's buffers hold.
+        """
+        size = 0 if self.keys[0] is None else self.keys[0].shape[2]
+        if not 1 <= n <= size:
+            raise ValueError(f"read needs 1 <= n <= {size} (positions held per slot), got {n}")
+        keys = [self.keys[i][slot, :, :n].clone() for i in range(self.num_layers)]
+        values = [self.values[i][slot, :, :n].clone() for i in range(self.num_layers)]
+        return keys, values
 
     def free(self, slot: int) -> None:
         """Mark ``slot`` empty (lengths 0 in every layer); its buffers are overwritten by the next user."""

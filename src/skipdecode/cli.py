@@ -25,6 +25,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     COMPILE_HELP,
     MODEL_HELP,
     NO_ADAPTER_HELP,
+    PREFIX_CACHE_HELP,
     QUANTIZE_HELP,
     as_option_error,
     check_cohort_option,
@@ -66,6 +67,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help="Several prompts: " + COHORT_HELP.format(what="prompts")),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Several prompts: " + PREFIX_CACHE_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
@@ -121,6 +123,7 @@ def generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
             max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
+            prefix_cache=prefix_cache,
         )
     except ValueError as e:
         fail(str(e))
@@ -138,7 +141,8 @@ def generate(
             out.print(Text.assemble((f"[{i}] ", "bold"), f"({result.finish_reasons[i]}) {text}"), highlight=False)
     s = result.stats()
     err.print(
-        f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok | new {s['new_tokens']} tok | "
+        f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached) | "
+        f"new {s['new_tokens']} tok | "
         f"TTFT {s['prefill_seconds'] * 1000:.0f} ms | step {s['step_seconds'] * 1000:.1f} ms | "
         f"{s['tokens_per_second']:.1f} tok/s | mean active layers {s['mean_active_layers']:.2f}/{s['num_layers']} | "
         f"theoretical speedup {s['theoretical_speedup']:.2f}x | policy {escape(str(s['policy']))}[/]",
@@ -191,6 +195,7 @@ def eval_command(
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
     cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="With --inflight: " + PREFIX_CACHE_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
@@ -253,7 +258,7 @@ def eval_command(
             stop=stops if stop else None, task=eval_task, metrics=metrics or None, horizon=horizon,
             calm_thresholds=calm_thresholds, calm_min_layers=calm_min_layers, chat=chat,
             progress=progress, command=command, data=str(data), sort_by_length=sort_by_length,
-            inflight=inflight, cohort_size=cohort_size,
+            inflight=inflight, cohort_size=cohort_size, prefix_cache=prefix_cache,
         )
     except (DataError, ValueError) as e:
         fail(str(e))
@@ -402,6 +407,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
@@ -424,7 +430,7 @@ def serve(
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
-                      cohort_size=cohort_size)
+                      cohort_size=cohort_size, prefix_cache=prefix_cache)
     uvicorn.run(app_, host=host, port=port, log_level="info")
 
 

@@ -117,6 +117,10 @@ COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products wit
 COHORT_HELP = ("Waiting {what} join the running rows only in cohorts of at least this many (1: at once; larger: "
                "rows sit at fewer decode steps, so a step runs fewer layers; docs/inflight-batching.md).")
 
+PREFIX_CACHE_HELP = ("Automatic prefix caching (default on): a prompt that shares its first tokens with recent "
+                     "ones (a system prompt, an instruction) reuses their keys and values and prefills only the "
+                     "rest; outputs are unchanged (docs/inflight-batching.md).")
+
 
 def check_cohort_option(cohort_size: int, batch_size: int, batch_option: str) -> None:
     """Exit 2 with a one-line error unless ``batch_size`` >= 1 and 1 <= ``cohort_size`` <= ``batch_size``

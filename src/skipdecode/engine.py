@@ -34,6 +34,7 @@ from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy
+from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight"]
@@ -77,6 +78,8 @@ class Row:
         prefill_seconds: wall-clock time of the prefill it joined with (its time to first token), s.
         decode_seconds: wall-clock time of the engine steps it took part in, s.
         joined_at: engine step count when it joined (for tests and statistics).
+        cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead
+            of its prefill (tokens; :mod:`skipdecode.prefix_cache`).
     """
 
     request: Request
@@ -90,6 +93,7 @@ class Row:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     joined_at: int = 0
+    cached_prompt_tokens: int = 0
 
     @property
     def step(self) -> int:
@@ -131,17 +135,28 @@ class Engine:
             step (lowest time to first token). Larger cohorts keep the running rows at fewer
             distinct decode steps, so a step runs fewer layers: under one decaying schedule a
             step reads the layers of its youngest row (docs/inflight-batching.md).
+        prefix_cache: automatic prefix caching (:mod:`skipdecode.prefix_cache`): True (default)
+            with a budget of :data:`~skipdecode.prefix_cache.DEFAULT_PREFIX_TOKENS` tokens, an
+            integer for that budget (tokens), False or 0 for off. Joining requests whose prompts
+            start with a stored prefix prefill only the rest of the prompt; outputs are unchanged.
+
+    Attributes:
+        prefix_cache: the :class:`~skipdecode.prefix_cache.PrefixCache`, or None when off; its
+            ``stats()`` are the engine's prefix-cache statistics.
 
     Raises:
-        ValueError: ``max_batch_size`` < 1, or ``cohort_size`` outside [1, ``max_batch_size``].
+        ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``], or a
+            ``prefix_cache`` that is not True, False or a token budget (0 or >= 8).
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
-                 cohort_size: int = 1) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
             raise ValueError(f"cohort_size must be an integer in [1, max_batch_size={max_batch_size}], got {cohort_size!r}")
+        budget = prefix_cache_budget(prefix_cache)
+        self.prefix_cache = PrefixCache(budget) if budget else None
         self.cohort_size = cohort_size
         self.adapter = adapter
         self.max_batch_size = max_batch_size
@@ -240,32 +255,89 @@ class Engine:
         heapq.heappush(self.free_slots, row.slot)
 
     def _prefill(self, joiners: list[Request]) -> list[TokenEvent]:
-        """Full-depth prefill of ``joiners`` as one left-padded batch; copy into free slots."""
+        """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), grouped by
+        the stored prefix each prompt starts with (one left-padded batch per group; prompts
+        without one: a plain prefill); then store newly shared prefixes."""
         start = time.perf_counter()
-        lens = [len(r.prompt_ids) for r in joiners]
-        P = max(lens)
-        ids = torch.zeros((len(joiners), P), dtype=torch.long)
-        mask = torch.zeros((len(joiners), P), dtype=torch.long)
-        for i, r in enumerate(joiners):
-            ids[i, P - lens[i] :] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
-            mask[i, P - lens[i] :] = 1
-        prefill_cache = SkipCache(self.adapter.num_layers, capacity=P)
-        with base_prefill(self.adapter.model):  # a decode-only skip adapter is off in the prefill
-            logits = skip_forward(
-                self.adapter, ids.to(self.device), mask.to(self.device), cache=prefill_cache, logits_last_only=True
-            )[:, -1]
-        rows = []
-        for i, r in enumerate(joiners):
-            slot = heapq.heappop(self.free_slots)
-            self.cache.load_prefill(slot, prefill_cache, i, P - lens[i], P)
-            sampler = Sampler(r.sampling or SamplingParams(), device=self.device)
-            rows.append(Row(r, slot, lens[i], sampler, joined_at=self.steps))
+        slots = [heapq.heappop(self.free_slots) for _ in joiners]
+        pc = self.prefix_cache
+        if pc is not None:
+            self._reuse_recent_prefixes(joiners)
+        matches = [pc.lookup(r.prompt_ids) if pc is not None else (None, 0) for r in joiners]
+        groups: dict[int, list[int]] = {}
+        for i, (entry, _) in enumerate(matches):
+            groups.setdefault(id(entry), []).append(i)
+        logits: list[torch.Tensor | None] = [None] * len(joiners)
+        for idx in groups.values():
+            out = self._prefill_group([joiners[i] for i in idx], [slots[i] for i in idx], matches[idx[0]][0])
+            for k, i in enumerate(idx):
+                logits[i] = out[k]
+        rows = [
+            Row(r, slot, len(r.prompt_ids), Sampler(r.sampling or SamplingParams(), device=self.device),
+                joined_at=self.steps, cached_prompt_tokens=p)
+            for r, slot, (_, p) in zip(joiners, slots, matches)
+        ]
+        if pc is not None:
+            self._store_shared_prefixes(rows)
         seconds = time.perf_counter() - start
         for row in rows:
             row.prefill_seconds = seconds
         self.prefill_seconds += seconds
         self.running = sorted(self.running + rows, key=lambda row: row.slot)
-        return self._emit(rows, logits, [self.adapter.num_layers] * len(rows), start)
+        return self._emit(rows, torch.stack(logits), [self.adapter.num_layers] * len(rows), start)
+
+    def _prefill_group(self, reqs: list[Request], slots: list[int], entry: PrefixEntry | None) -> torch.Tensor:
+        """Prefill ``reqs`` that all start with ``entry`` (p tokens; None: p = 0) at full depth
+        and load them into ``slots``; returns their last logits (B, V).
+
+        Each row runs its prompt's tokens after the prefix, left-padded among the group: columns
+        ``[prefix p][padding][own tokens]``, mask ``[1]*p + [0]*pad + [1]*s``. Positions come
+        from the mask, so they continue from p; the padding is masked out of attention."""
+        p = 0 if entry is None else entry.length
+        lens = [len(r.prompt_ids) - p for r in reqs]
+        S = max(lens)
+        ids = torch.zeros((len(reqs), S), dtype=torch.long)
+        mask = torch.zeros((len(reqs), p + S), dtype=torch.long)
+        mask[:, :p] = 1
+        for i, r in enumerate(reqs):
+            ids[i, S - lens[i] :] = torch.as_tensor(list(r.prompt_ids[p:]), dtype=torch.long)
+            mask[i, p + S - lens[i] :] = 1
+        if entry is None:
+            cache = SkipCache(self.adapter.num_layers, capacity=S)
+        else:
+            cache = entry.skip_cache(len(reqs), capacity=p + S)
+            entry.hits += len(reqs)
+        with base_prefill(self.adapter.model):  # a decode-only skip adapter is off in the prefill
+            logits = skip_forward(
+                self.adapter, ids.to(self.device), mask.to(self.device), cache=cache, logits_last_only=True
+            )[:, -1]
+        for i, slot in enumerate(slots):
+            self.cache.load_prefill(slot, cache, i, p + S - lens[i], p + S, prefix=p)
+        return logits
+
+    def _reuse_recent_prefixes(self, joiners: list[Request]) -> None:
+        """Before a prefill: store the prefixes that joiners share with recent prompts whose slot
+        still holds them (running, or freed and not reloaded), read from that slot, so that the
+        joiners already reuse them."""
+        pc = self.prefix_cache
+        for r in joiners:
+            n, source = pc.best_source(r.prompt_ids, lambda src: self.cache.loads[src[0]] == src[1])
+            if n:
+                pc.store(r.prompt_ids[:n], *self.cache.read(source[0], n))
+
+    def _store_shared_prefixes(self, rows: list[Row]) -> None:
+        """After a prefill: store each joined prompt's prefix shared with a recent prompt or another
+        joiner (read from the row's own slot), then remember the prompts and count the reuse."""
+        pc = self.prefix_cache
+        prompts = [tuple(row.request.prompt_ids) for row in rows]
+        recent = [tokens for tokens, _ in pc.recent]
+        for i, (row, ids) in enumerate(zip(rows, prompts)):
+            n = pc.wanted(ids, recent + prompts[:i] + prompts[i + 1 :])
+            if n:
+                pc.store(ids[:n], *self.cache.read(row.slot, n))
+        for row, ids in zip(rows, prompts):
+            pc.remember(ids, (row.slot, self.cache.loads[row.slot]))
+            pc.record(row.cached_prompt_tokens, len(ids))
 
     def _decode(self) -> list[TokenEvent]:
         """One token for every running row, each through its own plan."""
@@ -368,10 +440,12 @@ def generate_inflight(
     on_chunk: Callable[[StreamChunk], None] | None = None,
     max_batch_size: int = 32,
     cohort_size: int = 1,
+    prefix_cache: bool | int = True,
 ) -> GenerationResult:
     """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
     is a row with its own decode step; at most ``max_batch_size`` rows decode at once, and waiting
-    prompts join in cohorts of at least ``cohort_size`` rows (:class:`Engine`).
+    prompts join in cohorts of at least ``cohort_size`` rows; ``prefix_cache`` as in
+    :class:`Engine` (prompts sharing a prefix reuse its K/V; texts unchanged).
 
     Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
     and in decode steps; ``layers_run`` holds one entry per row per decode step, and
@@ -383,7 +457,7 @@ def generate_inflight(
     Raises:
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
             (before anything runs); ``max_batch_size`` < 1; ``cohort_size`` outside
-            [1, ``max_batch_size``]; ``stop`` as in
+            [1, ``max_batch_size``]; a bad ``prefix_cache``; ``stop`` as in
             :func:`skipdecode.limits.check_stop`.
     """
     stop = check_stop(stop)
@@ -394,7 +468,7 @@ def generate_inflight(
         eos_token_ids = _eos_ids(tokenizer, adapter.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
-    engine = Engine(adapter, max_batch_size, cohort_size=cohort_size)
+    engine = Engine(adapter, max_batch_size, cohort_size=cohort_size, prefix_cache=prefix_cache)
     requests = [
         Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
                 texts[i].stopped if texts[i].stop else None, tag=i)
@@ -406,12 +480,14 @@ def generate_inflight(
         engine.submit(r)
     layers_run: list[int] = []
     finished = [False] * len(prompts)
+    cached = [0] * len(prompts)
     while engine.busy:
         events = engine.step()
         deltas = [""] * len(prompts)
         column = torch.full((len(prompts),), pad, dtype=torch.long)
         for ev in events:
             i = ev.row.request.tag
+            cached[i] = ev.row.cached_prompt_tokens
             deltas[i] = texts[i].push(ev.token, ev.finished)
             column[i] = ev.token
             finished[i] = ev.finished
@@ -433,4 +509,5 @@ def generate_inflight(
         num_layers=adapter.num_layers,
         batch_size=min(max_batch_size, len(prompts)),
         policy=policy.to_dict(),
+        cached_prompt_tokens=cached,
     )

@@ -54,7 +54,7 @@ def combine_reports(reports: Sequence[Report]) -> Report:
 
 
 _SUMMED = ("n_items", "decode_steps", "layers_run", "compute_layers", "head_evals", "new_tokens",
-           "generation_seconds", "prefill_seconds", "decode_seconds")
+           "prompt_tokens", "cached_prompt_tokens", "generation_seconds", "prefill_seconds", "decode_seconds")
 
 
 def concat_reports(reports: Sequence[Report]) -> Report:

@@ -49,6 +49,9 @@ class EvalRow:
         theoretical_speedup: L * decode_steps / layers_run (1.0 with no decode step).
         compute_speedup: L * decode_steps / compute_layers.
         new_tokens: generated tokens, all items (tokens).
+        prompt_tokens: prompt tokens, all items (tokens, without padding).
+        cached_prompt_tokens: of those, the ones reused from the in-flight engine's prefix cache
+            instead of prefilled (tokens; 0 in static batches, batch-1 and CALM rows).
         generation_seconds: wall-clock time of the generation calls (s).
         prefill_seconds: summed prefill + token-0 time (s); decode_seconds: summed decode time (s).
         tokens_per_second: new_tokens / generation_seconds.
@@ -80,6 +83,8 @@ class EvalRow:
     theoretical_speedup: float = float("nan")
     compute_speedup: float = float("nan")
     new_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     generation_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -101,6 +106,8 @@ class EvalRow:
         self.compute_layers += sum(getattr(result, "compute_layers", None) or result.layers_run)
         self.head_evals += sum(getattr(result, "head_evals", None) or [])
         self.new_tokens += sum(result.new_tokens)
+        self.prompt_tokens += sum(getattr(result, "prompt_tokens", None) or [])
+        self.cached_prompt_tokens += sum(getattr(result, "cached_prompt_tokens", None) or [])
         self.generation_seconds += seconds
         self.prefill_seconds += result.prefill_seconds
         self.decode_seconds += result.decode_seconds

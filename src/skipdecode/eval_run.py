@@ -37,6 +37,8 @@ class RunSettings:
         sort_by_length: ``batches`` hold the items longest prompt first (recorded in the report).
         cohort_size: with ``inflight``, waiting items join the running rows in cohorts of at
             least this many (:class:`skipdecode.engine.Engine`).
+        prefix_cache: with ``inflight``, the engine's automatic prefix caching (True, False or a
+            token budget; :class:`skipdecode.engine.Engine`).
     """
 
     batches: list[list[EvalItem]]
@@ -49,6 +51,7 @@ class RunSettings:
     inflight: bool
     sort_by_length: bool = False
     cohort_size: int = 1
+    prefix_cache: bool | int = True
 
     def gen_kwargs(self, max_new_tokens: int | None = None) -> dict[str, Any]:
         """Keyword arguments of a generation call (``max_new_tokens`` overrides the budget, tokens)."""
@@ -214,7 +217,8 @@ def _run_model(model, label: str, rows: list[EvalRow], plans: list[Any], setting
         for row, plan, flag in zip(rows, plans, inflight):
             if flag:
                 _timed(row, model.generate, all_prompts, policy=plan, max_batch_size=settings.batch_size,
-                       cohort_size=settings.cohort_size, **settings.gen_kwargs())
+                       cohort_size=settings.cohort_size, prefix_cache=settings.prefix_cache,
+                       **settings.gen_kwargs())
     for batch in settings.batches:
         _run_batch(model, [it.prompt for it in batch], rows, plans, inflight, settings)
         progress.step()

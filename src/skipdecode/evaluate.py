@@ -60,6 +60,7 @@ from .eval_run import Progress, RunSettings, model_entries, run_models
 from .eval_tasks import TASKS, TaskSpec, detect_task
 from .limits import check_stop
 from .metrics import METRICS, score_all
+from .prefix_cache import prefix_cache_budget
 
 __all__ = [
     "TaskSpec",
@@ -111,6 +112,7 @@ def evaluate(
     sort_by_length: bool = False,
     inflight: bool = False,
     cohort_size: int = 1,
+    prefix_cache: bool | int = True,
 ) -> Report:
     """Generate for ``items`` with every model under every policy, then score and time each row.
 
@@ -131,6 +133,10 @@ def evaluate(
             unchanged). ``decode_steps`` then counts row-steps.
         cohort_size: with ``inflight``, waiting items join the running rows only in cohorts of
             at least this many (1 <= ``cohort_size`` <= ``batch_size``; :class:`skipdecode.engine.Engine`).
+        prefix_cache: with ``inflight``, reuse the K/V of prompt prefixes the items share (True:
+            the default token budget, an integer: that budget, False/0: off;
+            :class:`skipdecode.engine.Engine`); generations are unchanged, and each row records its
+            ``prompt_tokens`` and ``cached_prompt_tokens``.
         max_new_tokens: tokens per item (None: the task's default, :data:`TASKS`).
         stop: stop strings (None: the task's default; ``()`` for none; at most 4, none empty:
             :func:`skipdecode.limits.check_stop`, whose ValueError names ``stop``).
@@ -164,7 +170,8 @@ def evaluate(
     start_run = time.perf_counter()
     items = _checked_items(task, items)
     settings = _run_settings(TASKS[task], items, batch_size, max_new_tokens, stop, chat=chat, warmup=warmup,
-                             inflight=inflight, sort_by_length=sort_by_length, cohort_size=cohort_size)
+                             inflight=inflight, sort_by_length=sort_by_length, cohort_size=cohort_size,
+                             prefix_cache=prefix_cache)
     metrics, quality = _checked_metrics(TASKS[task], metrics)
     entries, plan = _planned_models(models, policies, horizon, batch_size, calm_thresholds, calm_min_layers,
                                     calm_models)
@@ -212,18 +219,20 @@ def _checked_metrics(spec: TaskSpec, metrics: Sequence[str] | None) -> tuple[tup
 
 def _run_settings(spec: TaskSpec, items: list[EvalItem], batch_size: Any, max_new_tokens: Any,
                   stop: Sequence[str] | None, *, chat: bool | None, warmup: bool, inflight: bool,
-                  sort_by_length: bool, cohort_size: Any = 1) -> RunSettings:
+                  sort_by_length: bool, cohort_size: Any = 1, prefix_cache: Any = True) -> RunSettings:
     """The generation settings of :func:`evaluate` (task defaults filled in) and its batches: file
     order, or prompts longest first (characters; ties keep file order) with ``sort_by_length``.
 
     Raises:
-        ValueError: ``batch_size`` or ``max_new_tokens`` is not an integer >= 1, or
-            ``cohort_size`` is not an integer in [1, ``batch_size``].
+        ValueError: ``batch_size`` or ``max_new_tokens`` is not an integer >= 1,
+            ``cohort_size`` is not an integer in [1, ``batch_size``], or ``prefix_cache`` is not
+            True, False or a token budget (:func:`skipdecode.prefix_cache.prefix_cache_budget`).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= batch_size:
         raise ValueError(f"cohort_size must be an integer in [1, batch_size={batch_size}], got {cohort_size!r}")
+    prefix_cache_budget(prefix_cache)  # refused here, before any model is loaded
     max_new_tokens = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -233,7 +242,7 @@ def _run_settings(spec: TaskSpec, items: list[EvalItem], batch_size: Any, max_ne
         order.sort(key=lambda i: -len(items[i].prompt))  # stable: ties keep file order
     batches = [[items[j] for j in order[i : i + batch_size]] for i in range(0, len(items), batch_size)]
     return RunSettings(batches, order, batch_size, max_new_tokens, stop, chat, warmup, inflight, sort_by_length,
-                       cohort_size)
+                       cohort_size, prefix_cache)
 
 
 def _planned_models(models: Any, policies: Any, horizon: int | None, batch_size: int,
@@ -285,6 +294,7 @@ def _meta(settings: RunSettings, *, command: str | None, data: str | None, task:
         "sort_by_length": bool(settings.sort_by_length),
         "inflight": bool(settings.inflight),
         "cohort_size": settings.cohort_size,
+        "prefix_cache": settings.prefix_cache if settings.inflight else False,
         "max_new_tokens": settings.max_new_tokens,
         "stop": list(settings.stop),
         "models": models,

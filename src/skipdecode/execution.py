@@ -78,7 +78,8 @@ class Submission:
         Per row, one request's rows ran their own steps: ``layers_run`` holds every row's decode
         steps (so ``theoretical_speedup`` = L x row-steps / layers run, METHOD.md), ``decode_steps``
         and ``decode_seconds`` are those of its longest row, ``prefill_seconds`` its slowest
-        prefill (time to first token).
+        prefill (time to first token); ``cached_prompt_tokens`` its rows' prompt tokens reused
+        from the engine's prefix cache.
         """
         rows = [r for r in self.rows if isinstance(r, Row)]
         return GenerationResult(
@@ -94,6 +95,7 @@ class Submission:
             num_layers=num_layers,
             batch_size=len(rows),
             policy=self.job.policy.to_dict(),
+            cached_prompt_tokens=[r.cached_prompt_tokens for r in rows],
         )
 
 

@@ -41,8 +41,12 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     ``cumsum(mask) - 1`` with padding positions set to 0, as Hugging Face's ``generate`` does
     (PITFALLS 4). Each row's first real token gets position 0.
     """
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp_min(0)
+    return _mask_positions(attention_mask)
+
+
+def _mask_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`positions_from_mask` itself (B, K), also called by the mask builder."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
 def build_attention_mask(
@@ -54,7 +58,10 @@ def build_attention_mask(
     """Additive attention mask (B, 1, T, K) for the last ``T = num_queries`` of K positions.
 
     Query i (absolute index K-T+i) may attend to key j when j <= K-T+i (causal) and key j is a
-    real token (``attention_mask[:, j] == 1``) and, with a ``sliding_window`` W, K-T+i - j < W.
+    real token (``attention_mask[:, j] == 1``) and, with a ``sliding_window`` W, its position
+    minus key j's is < W (positions from :func:`positions_from_mask`: a row's own token count,
+    so padding *inside* a row, between a cached prompt prefix and the tokens computed after it,
+    does not shorten its window; with left padding only this is K-T+i - j).
     Every query may always attend to itself, so no row is fully masked and SDPA can never
     return NaN for padding rows (PITFALLS 5); real rows are unaffected because they attend to
     themselves anyway. Allowed entries are 0, others ``torch.finfo(dtype).min``.
@@ -65,7 +72,8 @@ def build_attention_mask(
     k_idx = torch.arange(K, device=device)[None, :]  # (1, K)
     allowed = (k_idx <= q_idx) & attention_mask.bool()[:, None, :]  # (B, T, K)
     if sliding_window is not None:
-        allowed = allowed & (q_idx - k_idx < sliding_window)
+        pos = _mask_positions(attention_mask)  # (B, K)
+        allowed = allowed & (pos[:, K - num_queries :, None] - pos[:, None, :] < sliding_window)
     allowed = allowed | (k_idx == q_idx)
     mask = torch.zeros((B, 1, num_queries, K), dtype=dtype, device=device)
     return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)

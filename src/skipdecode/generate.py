@@ -215,6 +215,8 @@ class GenerationResult:
         num_layers: L of the model.
         batch_size: B.
         policy: the policy's ``to_dict()``.
+        cached_prompt_tokens: per prompt, leading prompt tokens reused from the in-flight
+            engine's prefix cache instead of prefilled (tokens; empty: none, e.g. a static batch).
     """
 
     texts: list[str]
@@ -229,6 +231,7 @@ class GenerationResult:
     num_layers: int
     batch_size: int
     policy: dict = field(default_factory=dict)
+    cached_prompt_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def from_record(cls, record: dict, num_layers: int, policy: SkipPolicy) -> "GenerationResult":
@@ -280,6 +283,7 @@ class GenerationResult:
         return {
             "batch_size": self.batch_size,
             "prompt_tokens": sum(self.prompt_tokens),
+            "cached_prompt_tokens": sum(self.cached_prompt_tokens),
             "new_tokens": sum(self.new_tokens),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
@@ -506,6 +510,7 @@ def generate(
     on_chunk: Callable[[StreamChunk], None] | None = None,
     max_batch_size: int | None = None,
     cohort_size: int = 1,
+    prefix_cache: bool | int = True,
 ) -> GenerationResult:
     """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
 
@@ -513,7 +518,8 @@ def generate(
     ``max_batch_size`` (rows) switches from one static batch to in-flight batching
     (:func:`skipdecode.engine.generate_inflight`): at most that many rows decode at once and a finished row's slot
     goes to the next prompt at once, so a long row no longer holds the others; ``cohort_size``
-    (in-flight only) makes waiting prompts join in groups of at least that many
+    (in-flight only) makes waiting prompts join in groups of at least that many and
+    ``prefix_cache`` (in-flight only) reuses the K/V of prompt prefixes the prompts share
     (:class:`skipdecode.engine.Engine`). Greedy texts are the same either way; seeded samples too
     (one generator per row).
 
@@ -531,7 +537,7 @@ def generate(
         return generate_inflight(
             adapter, tokenizer, prompts, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
             stop=stop, chat=chat, eos_token_ids=eos_token_ids, on_chunk=on_chunk, max_batch_size=max_batch_size,
-            cohort_size=cohort_size,
+            cohort_size=cohort_size, prefix_cache=prefix_cache,
         )
     record: dict = {}
     for chunk in stream_generate(

@@ -190,12 +190,14 @@ class SkipModel:
         chat: bool | None = None,
         max_batch_size: int | None = None,
         cohort_size: int = 1,
+        prefix_cache: bool | int = True,
     ) -> GenerationResult:
         """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
         prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
         token ids, encoded by :func:`skipdecode.prompts.encode_prompt`. ``max_batch_size`` (rows)
         runs the prompts with in-flight batching, waiting prompts joining in cohorts of at least
-        ``cohort_size`` rows (:class:`skipdecode.engine.Engine`).
+        ``cohort_size`` rows and, with ``prefix_cache`` (default on), reusing the K/V of prompt
+        prefixes they share (:class:`skipdecode.engine.Engine`).
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field).
@@ -208,6 +210,7 @@ class SkipModel:
             stop=stop,
             max_batch_size=max_batch_size,
             cohort_size=cohort_size,
+            prefix_cache=prefix_cache,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
         )
 

@@ -12,7 +12,7 @@ through its sink and the engine starts afresh, so one fault never wedges the ser
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .adapters import Adapter
 from .engine import Engine, Request, TokenEvent
@@ -36,18 +36,21 @@ class Scheduler:
         cohort_size: waiting requests join the running rows in cohorts of at least this many
             rows, 1 <= ``cohort_size`` <= ``max_batch_size`` (:class:`Engine`; 1 = every free slot
             is filled at the next step).
+        prefix_cache: the engine's automatic prefix caching (:class:`Engine`): True (default
+            budget), a token budget, or False/0 (off).
 
     Raises:
-        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, or ``cohort_size`` outside
-            [1, ``max_batch_size``].
+        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
+            [1, ``max_batch_size``], or a bad ``prefix_cache``.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256,
-                 cohort_size: int = 1) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
-        self.engine = Engine(adapter, max_batch_size, cohort_size=cohort_size)
+        self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache)
+        self.engine = Engine(adapter, max_batch_size, **self._engine_options)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.cancelled = 0
@@ -98,9 +101,13 @@ class Scheduler:
                     self.cancelled += 1
             self._wake.notify()
 
-    def stats(self) -> dict[str, int]:
-        """``running``, ``waiting`` (rows), ``steps`` and ``generated_tokens`` so far, ``cancelled`` requests."""
+    def stats(self) -> dict[str, Any]:
+        """``running``, ``waiting`` (rows), ``steps`` and ``generated_tokens`` so far, ``cancelled``
+        requests, the sizes, and ``prefix_cache``: the engine's prefix-cache statistics
+        (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when off; counted since the
+        engine started, which a failed step restarts)."""
         with self._lock:
+            pc = self.engine.prefix_cache
             return {
                 "running": len(self.engine.running),
                 "waiting": len(self._inbox) + len(self.engine.waiting),
@@ -110,6 +117,7 @@ class Scheduler:
                 "max_batch_size": self.max_batch_size,
                 "max_waiting": self.max_waiting,
                 "cohort_size": self.engine.cohort_size,
+                "prefix_cache": None if pc is None else pc.stats(),
             }
 
     def close(self) -> None:
@@ -156,7 +164,7 @@ class Scheduler:
         with self._lock:
             queued = {id(r) for r in self._inbox}
             sinks = [self._sinks.pop(k) for k in list(self._sinks) if k not in queued]
-            self.engine = Engine(self.adapter, self.max_batch_size)
+            self.engine = Engine(self.adapter, self.max_batch_size, **self._engine_options)
         for sink in sinks:
             if sink is not None:
                 sink(exc)
@@ -164,13 +172,13 @@ class Scheduler:
 
 def run_requests(
     adapter: Adapter, requests: Sequence[Request], max_batch_size: int = 32,
-    on_event: Callable[[TokenEvent], None] | None = None,
+    on_event: Callable[[TokenEvent], None] | None = None, prefix_cache: bool | int = True,
 ):
     """Run ``requests`` to completion with in-flight batching on the calling thread (no server):
-    a finished row's slot goes to the next request at once. Returns their
-    :class:`~skipdecode.engine.Row` in request order.
+    a finished row's slot goes to the next request at once; ``prefix_cache`` as in
+    :class:`Engine`. Returns their :class:`~skipdecode.engine.Row` in request order.
 
     Raises:
-        ValueError: a request cannot run, or ``max_batch_size`` < 1.
+        ValueError: a request cannot run, ``max_batch_size`` < 1, or a bad ``prefix_cache``.
     """
-    return Engine(adapter, max_batch_size).run(requests, on_event)
+    return Engine(adapter, max_batch_size, prefix_cache=prefix_cache).run(requests, on_event)

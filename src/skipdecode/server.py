@@ -115,6 +115,7 @@ def create_app(
     serial: bool = False,
     max_request_bytes: int = 1_000_000,
     cohort_size: int = 1,
+    prefix_cache: bool | int = True,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
@@ -123,7 +124,11 @@ def create_app(
     queue answers 429; waiting requests join in cohorts of at least ``cohort_size`` rows, see
     :class:`~skipdecode.engine.Engine`). ``serial`` serves one row at a time (the one-at-a-time design, kept for
     comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
-    before it is read. The app's ``state.scheduler`` is the scheduler (``/health`` reports it).
+    before it is read. ``prefix_cache`` is the engine's automatic prefix caching (True: the
+    default token budget, an integer: that budget, False/0: off; :class:`~skipdecode.engine.Engine`):
+    prompts that share a prefix with recent ones prefill only the rest; each response's
+    ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens. The app's
+    ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included).
 
 
     Every error answers OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``:
@@ -133,13 +138,13 @@ def create_app(
     unexpected exception answers 500 (type ``server_error``).
 
     Raises:
-        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, or ``cohort_size`` outside
-            [1, ``max_batch_size``] (:class:`~skipdecode.scheduler.Scheduler`).
+        ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
+            [1, ``max_batch_size``], or a bad ``prefix_cache`` (:class:`~skipdecode.scheduler.Scheduler`).
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
-                          cohort_size=1 if serial else cohort_size)
+                          cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache)
     executor = Executor(model, scheduler)
     app.state.scheduler = scheduler
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
@@ -203,12 +208,14 @@ def create_app(
                 sub.cancel()
 
     def usage(result) -> dict[str, Any]:
-        """OpenAI ``usage`` (tokens) plus ``skipdecode``: the run's statistics (NaN as null)."""
+        """OpenAI ``usage`` (tokens; ``prompt_tokens_details.cached_tokens``: prompt tokens
+        reused from the prefix cache) plus ``skipdecode``: the run's statistics (NaN as null)."""
         stats = json_safe(result.stats())
         return {
             "prompt_tokens": stats["prompt_tokens"],
             "completion_tokens": stats["new_tokens"],
             "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
+            "prompt_tokens_details": {"cached_tokens": stats["cached_prompt_tokens"]},
             "skipdecode": stats,
         }
 
