@@ -7,11 +7,12 @@ of ``max(8, 2 C)`` E2E-style prompts one after another, ``--max-tokens`` new tok
 full depth and at each ``--speedup`` (the request's ``speedup`` field). Prompts come from the E2E
 test set in the shared data folder (the eval prompt template), else from built-in MRs.
 
-Both servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). Every cell
-starts again from the first prompts, so from the second cell on a server has seen them: a repeated
-prompt reuses all but its last block of tokens. Each row records the prompt tokens its cell reused
-and computed (``cached_prompt_tokens``, ``computed_prompt_tokens``, from ``/health``); compare
-cells with that in mind, or run with ``--no-prefix-cache`` for prefill at full cost throughout.
+Both servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). Each cell of
+a mode takes its own consecutive prompts (``prompt_offset`` in its row; both modes the same ones),
+so no prompt repeats within a server and only what prompts really share (the chat template's
+system prompt, the E2E instruction, an MR's opening fields) is reused. Each row records the prompt
+tokens its cell reused and computed (``cached_prompt_tokens``, ``computed_prompt_tokens``, from
+``/health``).
 
 Prints a Markdown table and ends with one JSON line; writes ``benchmarks/results/server_load.json``
 (repo-relative paths). Targets (issue 10): at 16 clients, in-flight full depth >= 3x the
@@ -167,18 +168,32 @@ async def one_request(client, prompt: str, max_tokens: int, speedup: float,
     return end - t0, (first or end) - t0, tokens
 
 
+def cell_size(clients: int) -> int:
+    """Requests of one load cell (``max(8, 2 clients)``) plus its warm-up request."""
+    return max(8, 2 * clients) + 1
+
+
+def cell_prompts(texts: list[str], clients: int, offset: int) -> tuple[list[str], str]:
+    """The timed prompts and the warm-up prompt of a cell: ``texts[offset : offset +
+    cell_size(clients)]`` (cyclically), the last one for the warm-up."""
+    block = [texts[(offset + i) % len(texts)] for i in range(cell_size(clients))]
+    return block[:-1], block[-1]
+
+
 async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
-               chat: bool = False, served_model: str = "bench") -> dict:
+               chat: bool = False, served_model: str = "bench", offset: int = 0) -> dict:
     """One load cell: ``clients`` concurrent streaming clients send ``max(8, 2 clients)`` requests
-    to the server at ``url`` (serving ``served_model``), after one untimed warm-up request.
-    Returns requests/s, tokens/s (from the server's ``usage``), tokens per request and p50/p95
-    latency and time to first token (seconds)."""
+    to the server at ``url`` (serving ``served_model``), after one untimed warm-up request. The
+    cell uses prompts ``texts[offset : offset + cell_size(clients)]`` (cyclically), the last one
+    for the warm-up, so that cells given disjoint offsets never repeat a prompt that a server's
+    prefix cache has seen whole. Returns requests/s, tokens/s (from the server's ``usage``),
+    tokens per request and p50/p95 latency and time to first token (seconds)."""
     from openai import AsyncOpenAI
 
-    total = max(8, 2 * clients)
-    queue = [texts[i % len(texts)] for i in range(total)]
+    queue, warm = cell_prompts(texts, clients, offset)
+    total = len(queue)
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
-        await one_request(client, queue[0], 2, speedup, chat, served_model)  # warm-up, untimed
+        await one_request(client, warm, 2, speedup, chat, served_model)  # warm-up, untimed
         results: list[tuple[float, float, int]] = []
 
         async def worker(k: int) -> None:
@@ -272,11 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for mode in args.modes:
         proc, url = start_server(args, serial=mode == "serial")
+        offset = 0  # every mode sees the same prompts, each cell its own (no whole-prompt cache hits)
         try:
             for clients in args.clients:
                 for speedup in args.speedups:
                     before = prefix_stats(url)
-                    row = {"mode": mode, **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat))}
+                    row = {"mode": mode, "prompt_offset": offset,
+                           **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset))}
+                    offset += cell_size(clients)
                     after = prefix_stats(url)
                     for key in ("cached_prompt_tokens", "computed_prompt_tokens"):  # this cell's, warm-up included
                         row[key] = after[key] - before[key] if after and before else 0

@@ -95,3 +95,18 @@ def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch,
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("prompt set differs:\n  train: ") and "differ from the manifest" in err
+
+
+def test_server_load_cells_take_disjoint_prompts():
+    script = load_script("server_load")
+    texts = [f"p{i}" for i in range(500)]
+    offset, seen = 0, set()
+    for clients in (1, 4, 16, 64):
+        for _ in (1, 2):  # two speedups per client count
+            queue, warm = script.cell_prompts(texts, clients, offset)
+            assert len(queue) == max(8, 2 * clients) and warm not in queue
+            cell = set(queue) | {warm}
+            assert not cell & seen  # no prompt repeats within a server
+            seen |= cell
+            offset += script.cell_size(clients)
+    assert script.cell_prompts(["a", "b", "c"], 1, 2)[0][:2] == ["c", "a"]  # cyclic when texts run out
