@@ -15,6 +15,7 @@ from conftest import make_model
 from skipdecode import FullPolicy, LinearDecayPolicy, LoadError, SkipModel, load
 from skipdecode import skip_adapter as sa
 from skipdecode.cli import app
+from skipdecode.lowrank import LowRankLinear
 
 NUM_LAYERS = 6
 ADAPTER_POLICY = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=2, warmup_layers=1, horizon=4)
@@ -199,6 +200,9 @@ def test_embedded_model_ships_its_2x_adapter():
         torch.set_num_threads(threads)
     assert adapted.policy.to_dict() == meta["policy"] and adapted.policy.max_layers == 21
     assert adapted.skip_config["skip_adapter"]["shipped"] and isinstance(stock.policy, FullPolicy)
-    q_a = adapted.model.model.layers[5].self_attn.q_proj.weight
-    q_s = stock.model.model.layers[5].self_attn.q_proj.weight
+    q = adapted.model.model.layers[29].self_attn.q_proj  # layers 1-9 never run at a 2x decode step: no delta
+    # a decode-only adapter: merged into the weights, its wrapper takes it out in the prefill
+    assert isinstance(q, LowRankLinear) and q.merged and adapted.skip_config["skip_adapter"]["decode_only"]
+    q_a = q.base.weight
+    q_s = stock.model.model.layers[29].self_attn.q_proj.weight
     assert not torch.equal(q_a, q_s)

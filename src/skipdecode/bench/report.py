@@ -46,7 +46,8 @@ def results_table(result: dict[str, Any]):
         hf = r["engine"] == "hf"
         vs_hf = "-"
         if r["full_vs_hf"] is not None:
-            match = "" if r.get("tokens_match_hf", True) else " (ids differ)"
+            agree = r.get("tokens_match_hf", True)
+            match = "" if agree else " (ids not compared)" if agree is None else " (ids differ)"
             vs_hf = f"{r['full_vs_hf']:.2f}x{match}"
         table.add_row(
             str(r["batch_size"]),
