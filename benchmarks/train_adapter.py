@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=False,
                     help="backward through the prompt positions (--no-prompt-grad: the prompt runs under "
                          "no_grad at full depth, TrainConfig.prompt_grad=False)")
-    ap.add_argument("--base-prefill", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--base-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="the base model (adapter off) prefills the prompt and the adapter trains on decode "
                          "positions only: a decode-only adapter (TrainConfig.base_prefill)")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")

@@ -13,8 +13,9 @@ by default when it loads the embedded model (``adapter=False`` keeps the stock w
 adapter's policy becomes the model's default policy, as for any checkpoint written by
 ``skipdecode train``. A *decode-only* adapter (trained with ``TrainConfig.base_prefill``, recorded
 as ``training.config.base_prefill`` in its ``skipdecode.json``) is applied to decode steps only:
-the base model prefills the prompt (:func:`skipdecode.lowrank.base_prefill`). **At full depth** (``FullPolicy``, ``--speedup 1``) the model then runs the
-adapted weights, not the stock ones: full-depth answers differ slightly from the stock model's
+the base model prefills the prompt (:func:`skipdecode.lowrank.base_prefill`); the shipped one is
+decode-only. **At full depth** (``FullPolicy``, ``--speedup 1``) the model's decode steps then run
+the adapted weights, not the stock ones: full-depth answers differ from the stock model's
 (measured in ``benchmarks/results/adapter_agreement.md``); load with ``adapter=False``
 (``--no-adapter``) for the stock model. Merging makes decoding cost nothing extra.
 """
