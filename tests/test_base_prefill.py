@@ -105,16 +105,11 @@ def test_cli_base_prefill(tmp_path):
 
     from typer.testing import CliRunner
 
-    from test_train import examples, tiny_skipmodel
+    from test_prompt_grad import cli_train_args
 
     from skipdecode.cli import app
 
-    model_dir = tmp_path / "model"
-    tiny_skipmodel().save_pretrained(model_dir)
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
-    base = ["train", "--model", str(model_dir), "--data", str(data), "--speedup", "2", "--max-steps", "1",
-            "--batch-size", "2", "--no-progress", "--val-fraction", "0", "--base-prefill"]
+    base = cli_train_args(tmp_path) + ["--base-prefill"]
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "bad"), "--lora-r", "2"])  # prompt_grad on
     assert res.exit_code == 2 and "--base-prefill" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "run"), "--lora-r", "2", "--no-prompt-grad"])

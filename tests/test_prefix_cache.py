@@ -29,6 +29,20 @@ from skipdecode.prefix_cache import DEFAULT_PREFIX_TOKENS, PrefixCache
 
 SHARED = 32  # tokens of the shared prefix: a multiple of the block size (8)
 
+def _spy_engine_prefix_cache(monkeypatch) -> list:
+    """Record the ``prefix_cache`` argument of every Engine built from now on (list returned)."""
+    import skipdecode.engine as engine_mod
+
+    seen = []
+    real = engine_mod.Engine.__init__
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("prefix_cache"))
+        real(self, *a, **kw)
+    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    return seen
+
+
 
 def ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
@@ -245,20 +259,13 @@ def test_lookup_takes_the_longest_whole_entry_and_leaves_one_token():
 
 
 def test_generate_and_evaluate_pass_the_option_and_record_cached_tokens(tokenizer, monkeypatch):
-    import skipdecode.engine as engine_mod
     from skipdecode.data import EvalItem
     from skipdecode.evaluate import evaluate
 
     sk = SkipModel(make_model("llama", L), tokenizer)
     instruction = "Describe the restaurant in one sentence. Description: a cheap family friendly pub. "
     prompts = [instruction + x for x in ("The Eagle", "name[The Eagle]", "The quick brown fox", "Summarize")]
-    seen = []
-    real = engine_mod.Engine.__init__
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("prefix_cache"))
-        real(self, *a, **kw)
-    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    seen = _spy_engine_prefix_cache(monkeypatch)
     on = sk.generate(prompts, max_new_tokens=6, max_batch_size=2)
     off = sk.generate(prompts, max_new_tokens=6, max_batch_size=2, prefix_cache=False)
     assert seen == [True, False]
@@ -280,17 +287,10 @@ def test_generate_and_evaluate_pass_the_option_and_record_cached_tokens(tokenize
 
 # ------------------------------------------------------------------------------- the CLI
 def test_cli_no_prefix_cache_reaches_generate_eval_and_serve(saved, tmp_path, monkeypatch):  # noqa: F811
-    import skipdecode.engine as engine_mod
     import skipdecode.evaluate as evaluate_module
     import skipdecode.server as server_module
 
-    seen = []
-    real = engine_mod.Engine.__init__
-
-    def spy(self, *a, **kw):
-        seen.append(kw.get("prefix_cache"))
-        real(self, *a, **kw)
-    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    seen = _spy_engine_prefix_cache(monkeypatch)
     base = ["generate", "The Eagle is", "A coffee shop", "--model", str(saved), "-n", "3", "--json"]
     on, _ = cli(base)
     off, _ = cli(base + ["--no-prefix-cache"])

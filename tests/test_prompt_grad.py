@@ -113,21 +113,29 @@ def test_train_with_no_prompt_grad_logs_the_same_first_loss(tmp_path, lora_r):
     assert info.value.field == "gradient_checkpointing"
 
 
-def test_cli_no_prompt_grad_and_teacher_forcing(tmp_path):
+def cli_train_args(tmp_path) -> list[str]:
+    """``skipdecode train`` arguments for a one-step run of a tiny saved model on a JSONL file of
+    prompt/response pairs, both written under ``tmp_path`` (add ``--out`` and the options tested)."""
     import json
 
-    from typer.testing import CliRunner
-
     from test_train import examples, tiny_skipmodel
-
-    from skipdecode.cli import app
 
     model_dir = tmp_path / "model"
     tiny_skipmodel().save_pretrained(model_dir)
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
-    base = ["train", "--model", str(model_dir), "--data", str(data), "--speedup", "2", "--max-steps", "1",
+    return ["train", "--model", str(model_dir), "--data", str(data), "--speedup", "2", "--max-steps", "1",
             "--batch-size", "2", "--no-progress", "--val-fraction", "0"]
+
+
+def test_cli_no_prompt_grad_and_teacher_forcing(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    base = cli_train_args(tmp_path)
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "run"), "--no-prompt-grad",
                                           "--teacher-forcing", "masked"])
     assert res.exit_code == 0, res.output
