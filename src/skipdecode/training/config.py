@@ -291,7 +291,8 @@ def _check_optimisation(c: "TrainConfig") -> None:
     _check_bool(c, "prompt_grad")
     _check_bool(c, "base_prefill")
     if c.base_prefill and c.prompt_grad:
-        _fail("base_prefill", "needs prompt_grad=false (the base model prefills the prompt without gradient)")
+        _fail("base_prefill", "needs prompt_grad=false, i.e. --no-prompt-grad (the base model prefills the prompt "
+                              "without gradient)")
     if not c.prompt_grad and c.gradient_checkpointing:
         _fail("gradient_checkpointing", "cannot be combined with prompt_grad=false (Hugging Face checkpointed "
                                         "layers drop the prompt's cached keys/values)")
@@ -318,7 +319,7 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     if c.lora_r == 0 and (c.lora_alpha is not None or c.lora_dropout):
         _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1")
     if c.base_prefill and c.lora_r == 0:
-        _fail("base_prefill", "needs lora_r >= 1 (the base model is the LoRA adapter switched off)")
+        _fail("base_prefill", "needs lora_r >= 1, i.e. --lora-r R (the base model is the LoRA adapter switched off)")
     if c.base_model is not None and (not isinstance(c.base_model, str) or not c.base_model):
         _fail("base_model", f"must be a non-empty string, got {c.base_model!r}")
 
