@@ -89,7 +89,9 @@ def test_cli_generate_cohort_size_reaches_the_engine_and_keeps_the_answers(saved
     assert json.loads(res3.stdout)["texts"] == json.loads(res1.stdout)["texts"]  # greedy: unchanged
 
 
-def test_cli_eval_cohort_size_reaches_evaluate(saved, tmp_path, monkeypatch):  # noqa: F811
+def eval_kwargs(model_dir, tmp_path, monkeypatch, *options: str) -> dict:
+    """The keyword arguments that ``skipdecode eval --model MODEL_DIR OPTIONS`` passes to
+    :func:`skipdecode.evaluate.evaluate` (stubbed: nothing is generated), on a one-item data file."""
     import skipdecode.evaluate as evaluate_module
 
     seen = {}
@@ -100,8 +102,12 @@ def test_cli_eval_cohort_size_reaches_evaluate(saved, tmp_path, monkeypatch):  #
     monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
     data = tmp_path / "items.jsonl"
     data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
-    cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"), "--batch-size", "8",
-         "--cohort-size", "4"])
+    cli(["eval", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o"), *options])
+    return seen
+
+
+def test_cli_eval_cohort_size_reaches_evaluate(saved, tmp_path, monkeypatch):  # noqa: F811
+    seen = eval_kwargs(saved, tmp_path, monkeypatch, "--batch-size", "8", "--cohort-size", "4")
     assert seen["cohort_size"] == 4 and seen["inflight"] is True
 
 

@@ -287,7 +287,6 @@ def test_generate_and_evaluate_pass_the_option_and_record_cached_tokens(tokenize
 
 # ------------------------------------------------------------------------------- the CLI
 def test_cli_no_prefix_cache_reaches_generate_eval_and_serve(saved, tmp_path, monkeypatch):  # noqa: F811
-    import skipdecode.evaluate as evaluate_module
     import skipdecode.server as server_module
 
     seen = _spy_engine_prefix_cache(monkeypatch)
@@ -298,16 +297,9 @@ def test_cli_no_prefix_cache_reaches_generate_eval_and_serve(saved, tmp_path, mo
     assert seen == [True, False]
     assert "cached_prompt_tokens" in json.loads(on.stdout)["stats"]
 
-    got = {}
+    from test_cohort_options import eval_kwargs
 
-    def fake_evaluate(*a, **kw):
-        got.update(kw)
-        raise ValueError("stop here")
-    monkeypatch.setattr(evaluate_module, "evaluate", fake_evaluate)
-    data = tmp_path / "items.jsonl"
-    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
-    cli(["eval", "--model", str(saved), "--data", str(data), "--out", str(tmp_path / "o"), "--no-prefix-cache"])
-    assert got["prefix_cache"] is False
+    assert eval_kwargs(saved, tmp_path, monkeypatch, "--no-prefix-cache")["prefix_cache"] is False
 
     apps = {}
 
