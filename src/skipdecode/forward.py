@@ -205,7 +205,12 @@ def skip_forward(
     extras = {T: extra}  # per prefix length (sparse teacher forcing)
     prefix = _active_prefix_lengths(layer_mask) if layer_mask is not None and sparse else None
     store = cache if cache is not None else kv_prefix
+    bridge = adapter.entry_bridge
+    prev = -1  # the last layer run (one shared plan)
     for layer_idx in layers:
+        if bridge is not None and layer_idx > bridge.source + 1 and bridge.has(layer_idx):
+            hidden = _bridge_jumps(bridge, layer_idx, hidden, prev, layer_mask, row_layers)
+        prev = layer_idx
         if row_layers is not None:
             hidden = _run_layer_on_rows(adapter, layer_idx, hidden, masks[layer_idx], cache, extra,
                                         row_layers[:, layer_idx])
@@ -227,6 +232,29 @@ def skip_forward(
     if logits_last_only:
         hidden = hidden[:, -1:]
     return adapter.head(hidden)
+
+
+def _bridge_jumps(bridge, layer_idx: int, hidden: torch.Tensor, prev: int,
+                  layer_mask: torch.Tensor | None, row_layers: torch.Tensor | None) -> torch.Tensor:
+    """``hidden`` (B, T, C) with the entry bridge of ``layer_idx`` applied where a plan jumps to it.
+
+    A position jumps to layer s when it runs s, ran the bridge's ``source`` layer (or source is
+    -1, the embeddings) and runs none of the layers between (:mod:`skipdecode.entry_bridge`).
+    One shared plan: ``prev`` is the last layer it ran; ``layer_mask`` (B, T, L) and
+    ``row_layers`` (B, L) give per-position and per-row plans."""
+    src = bridge.source
+    if row_layers is None and layer_mask is None:
+        return bridge(layer_idx, hidden) if prev == src else hidden
+    plan = row_layers[:, None, :] if row_layers is not None else layer_mask  # (B, T|1, L)
+    jump = plan[..., layer_idx] & ~plan[..., src + 1:layer_idx].any(-1)
+    if src >= 0:
+        jump = jump & plan[..., src]
+    if not bool(jump.any()):
+        return hidden
+    jump = jump.to(hidden.device)
+    if bool(jump.all()):
+        return bridge(layer_idx, hidden)
+    return torch.where(jump[..., None], bridge(layer_idx, hidden), hidden)
 
 
 def _check_inputs(adapter, B, T, attention_mask, active_layers, layer_mask, row_layers, cache, kv_prefix) -> None:

@@ -175,6 +175,7 @@ def load(
     # decode-only adapters (their prefill runs the base weights): (folder, merged) to wrap later
     decode_only: list[tuple[Path, bool]] = []
     skip_config: dict[str, Any] = {}
+    bridges: list[Path] = []  # folders that may hold an entry bridge (the last one that does wins)
     if model is None or str(model) == DEFAULT_MODEL:
         gguf = embedded_gguf_path()
         cached = _cache_dir() / DEFAULT_MODEL
@@ -205,6 +206,7 @@ def load(
                     raise LoadError(str(err)) from None
             _check_weight_files(path)
             hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged, decode_only)
+            bridges.append(path)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
             raise LoadError(f"model path {model} does not exist")
         else:
@@ -218,8 +220,9 @@ def load(
         source = str(model)
     name = DEFAULT_MODEL if model is None else str(model)
     hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged,
-                                                        decode_only)
+                                                        decode_only, bridges)
     hf_model = hf_model.to(device).eval()
+    _attach_bridge(hf_model, bridges)
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
     if policy is None and "policy" in skip_config:
@@ -338,7 +341,8 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list
 def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: str,
                         skip_config: dict[str, Any], source: str,
                         unmerged: list[Path] | None = None,
-                        decode_only: list[tuple[Path, bool]] | None = None) -> tuple[Any, dict[str, Any], str]:
+                        decode_only: list[tuple[Path, bool]] | None = None,
+                        bridges: list[Path] | None = None) -> tuple[Any, dict[str, Any], str]:
     """Merge the requested skip adapter (see :func:`load`'s ``adapter``), or append its folder to
     ``unmerged`` when that is a list (applied after quantization); the adapter's ``skipdecode.json``
     replaces the model's, plus a ``skip_adapter`` summary for reports."""
@@ -364,6 +368,8 @@ def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: 
         if _decode_only(meta) and decode_only is not None:
             decode_only.append((path, unmerged is None))
         summary = {**sa.adapter_summary(path, shipped=adapter is True), "merged": unmerged is None}
+        if bridges is not None:
+            bridges.append(path)
     except (sa.AdapterError, SkipConfigError) as e:
         raise LoadError(str(e)) from None
     merged = {**skip_config, **{k: v for k, v in meta.items() if k != "losses"}, "skip_adapter": summary}
@@ -375,3 +381,17 @@ def _decode_only(skip_config: dict[str, Any]) -> bool:
     from .skip_adapter import is_decode_only
 
     return is_decode_only(skip_config)
+
+
+def _attach_bridge(hf_model: Any, folders: list[Path]) -> None:
+    """Attach the entry bridge (:mod:`skipdecode.entry_bridge`) of the last folder in ``folders``
+    that holds one (the skip adapter's over the model's). Raises LoadError for a bad file."""
+    from .entry_bridge import EntryBridge, attach_entry_bridge, entry_bridge_files
+
+    holding = [f for f in folders if entry_bridge_files(f)]
+    if not holding:
+        return
+    try:
+        attach_entry_bridge(hf_model, EntryBridge.load(holding[-1]))
+    except (ValueError, KeyError, OSError) as err:
+        raise LoadError(f"{holding[-1]}: cannot read its entry bridge: {err}") from None

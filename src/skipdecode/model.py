@@ -278,6 +278,12 @@ class SkipModel:
         config = dict(self.skip_config)
         config.update(policy=self.policy.to_dict(), chat=self.chat, num_layers=self.num_layers)
         config.update(extra or {})
+        from .entry_bridge import entry_bridge_of
+
+        bridge = entry_bridge_of(self.model)
+        config.pop("entry_bridge", None)
+        if bridge is not None:  # a project extension (skipdecode.entry_bridge), loaded back by load()
+            config["entry_bridge"] = bridge.save(tmp)
         config["weights_sha256"] = weight_checksums(tmp)  # verified by load() (skipdecode.skip_config)
         write_json_atomic(tmp / SKIP_CONFIG_NAME, config)
         apply_umask(tmp)

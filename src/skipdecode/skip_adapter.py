@@ -159,8 +159,9 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
-    data as a shipped skip adapter: ``adapter_config.json``, the weights as float16 safetensors
-    (half the bytes; they are cast back up when merged) and ``skipdecode.json`` (its training
+    data as a shipped skip adapter: ``adapter_config.json``, the weights (and an entry bridge,
+    :mod:`skipdecode.entry_bridge`, when the run has one) as float16 safetensors
+    (half the bytes; they are cast back up when merged or loaded) and ``skipdecode.json`` (its training
     losses and run-local paths dropped). Written to a temporary folder and renamed into place.
 
     Returns:
@@ -181,6 +182,10 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     try:
         tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(str(src / _WEIGHTS)).items()}
         save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+        from .entry_bridge import EntryBridge, entry_bridge_files
+
+        if entry_bridge_files(src):  # its entry bridge (skipdecode.entry_bridge), also as float16
+            EntryBridge.load(src).save(tmp, dtype=torch.float16)
         from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name

@@ -62,6 +62,14 @@ class Adapter:
         # call_layer that run_layer uses for decode steps (one new token per row)
         self.compiled_layer_call: Any = None
 
+    @property
+    def entry_bridge(self) -> Any:
+        """The :class:`skipdecode.entry_bridge.EntryBridge` attached to the model, or None (the
+        paper's plain jump; :func:`skipdecode.entry_bridge.attach_entry_bridge`)."""
+        from ..entry_bridge import entry_bridge_of
+
+        return entry_bridge_of(self.model)
+
     # -- hooks -------------------------------------------------------------------------------
     def _layers(self) -> nn.ModuleList:
         raise NotImplementedError

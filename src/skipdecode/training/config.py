@@ -101,6 +101,12 @@ class TrainConfig:
             decode-only skip adapter; the adapter trains on the decode positions only, and
             response token 0 (predicted by the prefill) is the base model's. Needs
             ``lora_r`` >= 1 and ``prompt_grad=False``.
+        entry_bridge: True: before the first step, fit an entry bridge (an affine map per entry
+            layer, :mod:`skipdecode.entry_bridge`; a project extension, not the paper's) by ridge
+            least squares on the full-depth hidden states of the training responses, and train
+            with it attached (frozen). It is saved with the model and applied by
+            :func:`skipdecode.load`.
+        entry_bridge_examples: at most this many training examples feed the fit (>= 1).
 
     Distillation:
         distill: train on the full-depth model's own greedy answers (computed before training,
@@ -161,6 +167,8 @@ class TrainConfig:
     teacher_forcing: str = "sparse"
     prompt_grad: bool = True
     base_prefill: bool = False
+    entry_bridge: bool = False
+    entry_bridge_examples: int = 512
     seed: int = 0
     device: str = "cpu"
     bf16: bool = False
@@ -290,6 +298,8 @@ def _check_optimisation(c: "TrainConfig") -> None:
         _fail("teacher_forcing", f"must be one of {', '.join(TEACHER_FORCING_MODES)}, got {c.teacher_forcing!r}")
     _check_bool(c, "prompt_grad")
     _check_bool(c, "base_prefill")
+    _check_bool(c, "entry_bridge")
+    _check_int(c, "entry_bridge_examples", 1)
     if c.base_prefill and c.prompt_grad:
         _fail("base_prefill", "needs prompt_grad=false, i.e. --no-prompt-grad (the base model prefills the prompt "
                               "without gradient)")
@@ -339,7 +349,7 @@ RESUME_FIELDS = (
     "val_fraction", "max_val_examples", "chat", "response_separator", "epochs", "max_steps", "lr",
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
-    "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill",
+    "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill", "entry_bridge", "entry_bridge_examples",
 )
 
 

@@ -96,6 +96,7 @@ class _Run:
         self.stopped_on_budget = False
         self.start_step = 0
         self.peft_model = None
+        self.bridge_record: dict[str, Any] | None = None
         # a separate KL teacher: loaded once, before any data work, so a bad one fails early
         self.own_teacher = load_teacher(config.teacher, self.sk, self.accelerator.device) if config.teacher else None
 
@@ -148,6 +149,8 @@ class _Run:
         hf_model = self.sk.model
         row_major(hf_model)  # load() stores CPU float32 weights column-major; peft and AdamW expect contiguous
         hf_model.to(self.accelerator.device)
+        if c.entry_bridge:
+            self._attach_bridge(hf_model)
         self.teacher_adapter: Adapter | None = self.own_teacher
         if c.kl_weight > 0 and c.lora_r == 0 and self.own_teacher is None:
             teacher = copy.deepcopy(hf_model).eval().requires_grad_(False)  # the original weights, frozen
@@ -184,6 +187,21 @@ class _Run:
         self.module, self.optimizer = self.accelerator.prepare(module, optimizer)
         if self.ckpt is not None:
             self._restore_state()
+
+    def _attach_bridge(self, hf_model: nn.Module) -> None:
+        """Fit the entry bridge on the base model (or load the checkpoint's) and attach it, frozen."""
+        from ..entry_bridge import ENTRY_BRIDGE_FILE, EntryBridge, attach_entry_bridge
+        from .bridge import fit_training_bridge
+
+        if self.ckpt is not None:
+            bridge = ck._read(self.ckpt / ENTRY_BRIDGE_FILE, lambda p: EntryBridge.load(p.parent), "the entry bridge")
+            self.bridge_record = (self.saved.get("entry_bridge") or {})
+        else:
+            bridge, self.bridge_record = fit_training_bridge(
+                hf_model, self.train_items, self.policies, self.num_layers, self.config.entry_bridge_examples,
+                progress=self.config.progress and self.main)
+        bridge.requires_grad_(False)
+        attach_entry_bridge(hf_model, bridge)
 
     def _restore_state(self) -> None:
         state = ck.load_train_state(self.ckpt, self.saved, self.optimizer, self.scheduler, self.rank)
@@ -313,7 +331,8 @@ class _Run:
             "base_model": self.base_name,
             "training": {"config": c.to_dict(), "step": step, "total_steps": self.total_steps,
                          "lora": c.lora_r > 0, "distill": c.distill, "kl_weight": c.kl_weight,
-                         "teacher": c.teacher, "stopped_on_budget": self.stopped_on_budget},
+                         "teacher": c.teacher, "stopped_on_budget": self.stopped_on_budget,
+                         "entry_bridge": self.bridge_record},
             "data": self.data_record(step),
             "losses": {"train": [[r["step"], r["loss"]] for r in self.train_log],
                        "val": [[r["step"], r["loss"]] for r in self.val_log]},
@@ -336,7 +355,7 @@ class _Run:
                  "data_hash": self.data_hash, "horizon": self.horizon, "train_log": self.train_log,
                  "val_log": self.val_log, "tokens_seen": self.totals["tokens"],
                  "target_tokens_seen": self.totals["targets"], "num_processes": self.world,
-                 "train_seconds": self.spent_seconds}
+                 "train_seconds": self.spent_seconds, "entry_bridge": self.bridge_record}
         return ck.save_checkpoint(
             self.out_dir, step, accelerator=self.accelerator, save_model=lambda d: self.save_model(d, step),
             optimizer=self.optimizer, scheduler=self.scheduler, state=state,
