@@ -12,7 +12,8 @@ reference answers; then each configuration answers the same prompts and is score
   (L x decode steps / layers run, over all batches).
 
 Rows: stock at 2x, adapted at 2x, adapted at 3x, adapted at full depth (and stock at full depth,
-the reference itself). With ``--calibrate`` (default) also the stock model at full depth with int8
+the reference itself). When the adapter has an entry bridge (:mod:`skipdecode.entry_bridge`),
+also the stock model with that bridge and no LoRA at 2x (``--no-bridge-ablation`` drops it). With ``--calibrate`` (default) also the stock model at full depth with int8
 weights: a model anyone would call the same one, whose answers still drift from the float32 ones
 a few tokens in; its ROUGE-L is the metric's noise floor. 2x and 3x are :func:`skipdecode.policy.for_speedup` with the adapter's
 horizon (2x = the adapter's trained schedule, 21 -> 9 layers over 32 tokens).
@@ -111,7 +112,8 @@ def to_markdown(report: dict, n_examples: int = 4) -> str:
     lines += ["", "Examples (held-out prompts):", ""]
     by = {(r["model"], r["policy_label"]): r for r in report["rows"]}
     show = [("stock", "full"), ("stock", "2x")]
-    show += [(r["model"], r["policy_label"]) for r in report["rows"] if r["model"] != "stock" and r["policy_label"] != "full"][:2]
+    show += [(r["model"], r["policy_label"]) for r in report["rows"]
+             if r["model"].startswith("adapted") and r["policy_label"] != "full"][:2]
     head = "| prompt | " + " | ".join(f"{m} {p}" for m, p in show) + " |"
     lines += [head, "|" + "---|" * (len(show) + 1)]
 
@@ -139,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                     help="add the stock model at full depth with int8 weights: how far a model everyone would "
                          "call the same one lands on this metric (its noise floor)")
+    ap.add_argument("--bridge-ablation", action=argparse.BooleanOptionalAction, default=True,
+                    help="when the adapter has an entry bridge, add the stock model with that bridge and no "
+                         "LoRA at 2x (what the bridge alone does)")
     ap.add_argument("--name", default="adapter_agreement")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import skipdecode
+    from skipdecode.entry_bridge import EntryBridge, attach_entry_bridge, entry_bridge_files
     from skipdecode.policy import FullPolicy, for_speedup
     from skipdecode.skip_adapter import shipped_adapter_for
 
@@ -166,18 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     horizon = adapted.horizon
     L = stock.num_layers
     kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
-    configs = [("stock", "full", stock, FullPolicy(L)), ("stock", "2x", stock, for_speedup(L, 2, horizon))]
+    configs = [("stock", "full", stock, FullPolicy(L), None), ("stock", "2x", stock, for_speedup(L, 2, horizon), None)]
+    if entry_bridge_files(adapter_path) and args.bridge_ablation:  # what the bridge alone does, no LoRA
+        configs.append(("stock + entry bridge", "2x", stock, for_speedup(L, 2, horizon), EntryBridge.load(adapter_path)))
     if args.calibrate:
-        configs.append(("stock int8", "full", None, FullPolicy(L)))  # loaded when its turn comes
+        configs.append(("stock int8", "full", None, FullPolicy(L), None))  # loaded when its turn comes
     for s in (float(x) for x in args.speedups.split(",")):
-        configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon)))
-    configs.append((adapted_name, "full", adapted, FullPolicy(L)))
+        configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon), None))
+    configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
 
     rows, ref = [], None
-    for model_name, label, sk, policy in configs:
+    for model_name, label, sk, policy, bridge in configs:
         if sk is None:
             sk = skipdecode.load(adapter=False, quantize="int8")
+        if bridge is not None:
+            attach_entry_bridge(sk.model, bridge)
         out = run(sk, prompts, policy, **kw)
+        if bridge is not None:
+            attach_entry_bridge(sk.model, None)
         if ref is None:
             ref = out
         row = {"model": model_name, "policy_label": label, "policy": policy.to_dict(), **score(out, ref),

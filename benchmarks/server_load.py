@@ -1,16 +1,18 @@
 """Server load: requests/s, tokens/s, latency and time to first token of ``skipdecode serve`` under
 1, 4, 16 and 64 concurrent clients, in-flight batching against one-at-a-time (``--serial``).
 
-For each mode (a fresh server process on loopback each) and each number of concurrent clients C,
-C clients (the official ``openai`` client, streaming with ``include_usage``) each send their share
-of ``max(8, 2 C)`` E2E-style prompts one after another, ``--max-tokens`` new tokens each (greedy), at
+For each mode, each number of concurrent clients C and each speedup (a fresh server process on
+loopback per cell, so every cell starts with an empty prefix cache), C clients (the official
+``openai`` client, streaming with ``include_usage``) each send their share of
+``max(8, R C)`` E2E-style prompts (R = ``--requests-per-client``, default 2) one after another, ``--max-tokens`` new tokens each (greedy), at
 full depth and at each ``--speedup`` (the request's ``speedup`` field). Prompts come from the E2E
 test set in the shared data folder (the eval prompt template), else from built-in MRs.
 
-Both servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). Each cell of
-a mode takes its own consecutive prompts (``prompt_offset`` in its row; both modes the same ones),
-so no prompt repeats within a server and only what prompts really share (the chat template's
-system prompt, the E2E instruction, an MR's opening fields) is reused. Each row records the prompt
+The servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). The cells of
+one client count, full depth and each speedup alike, in both modes, take the same consecutive
+prompts (``prompt_offset`` in the row), so the policies are compared on the same work; no prompt
+repeats within a cell, and only what prompts really share (the chat template's system prompt, the
+E2E instruction, an MR's opening fields) is reused. Each row records the prompt
 tokens its cell reused and computed (``cached_prompt_tokens``, ``computed_prompt_tokens``, from
 ``/health``).
 
@@ -59,6 +61,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speedups", default="1,2", help="comma-separated request speedups (1 = full depth)")
     p.add_argument("--modes", default="inflight,serial", help="inflight and/or serial")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    p.add_argument("--requests-per-client", type=int, default=2,
+                   help="timed requests per client in a cell (at least 8 per cell)")
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
     p.add_argument("--cohort-size", type=int, default=1,
                    help="in-flight server: waiting requests join in cohorts of at least this many rows")
@@ -83,8 +87,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error("--clients and --speedups take comma-separated numbers")
     args.modes = args.modes.split(",")
-    if not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1:
-        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1")
+    if (not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1
+            or args.requests_per_client < 1):
+        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1; --requests-per-client >= 1")
     if not 1 <= args.cohort_size <= args.max_batch_size:
         p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args
@@ -168,29 +173,29 @@ async def one_request(client, prompt: str, max_tokens: int, speedup: float,
     return end - t0, (first or end) - t0, tokens
 
 
-def cell_size(clients: int) -> int:
-    """Requests of one load cell (``max(8, 2 clients)``) plus its warm-up request."""
-    return max(8, 2 * clients) + 1
+def cell_size(clients: int, per_client: int = 2) -> int:
+    """Requests of one load cell (``max(8, per_client x clients)``) plus its warm-up request."""
+    return max(8, per_client * clients) + 1
 
 
-def cell_prompts(texts: list[str], clients: int, offset: int) -> tuple[list[str], str]:
+def cell_prompts(texts: list[str], clients: int, offset: int, per_client: int = 2) -> tuple[list[str], str]:
     """The timed prompts and the warm-up prompt of a cell: ``texts[offset : offset +
-    cell_size(clients)]`` (cyclically), the last one for the warm-up."""
-    block = [texts[(offset + i) % len(texts)] for i in range(cell_size(clients))]
+    cell_size(clients, per_client)]`` (cyclically), the last one for the warm-up."""
+    block = [texts[(offset + i) % len(texts)] for i in range(cell_size(clients, per_client))]
     return block[:-1], block[-1]
 
 
 async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
-               chat: bool = False, served_model: str = "bench", offset: int = 0) -> dict:
-    """One load cell: ``clients`` concurrent streaming clients send ``max(8, 2 clients)`` requests
-    to the server at ``url`` (serving ``served_model``), after one untimed warm-up request. The
-    cell uses prompts ``texts[offset : offset + cell_size(clients)]`` (cyclically), the last one
-    for the warm-up, so that cells given disjoint offsets never repeat a prompt that a server's
-    prefix cache has seen whole. Returns requests/s, tokens/s (from the server's ``usage``),
+               chat: bool = False, served_model: str = "bench", offset: int = 0, per_client: int = 2) -> dict:
+    """One load cell: ``clients`` concurrent streaming clients send ``max(8, per_client x clients)``
+    requests to the server at ``url`` (serving ``served_model``), after one untimed warm-up request.
+    The cell uses prompts ``texts[offset : offset + cell_size(clients, per_client)]`` (cyclically),
+    the last one for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
+    what prompts really share. Returns requests/s, tokens/s (from the server's ``usage``),
     tokens per request and p50/p95 latency and time to first token (seconds)."""
     from openai import AsyncOpenAI
 
-    queue, warm = cell_prompts(texts, clients, offset)
+    queue, warm = cell_prompts(texts, clients, offset, per_client)
     total = len(queue)
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
         await one_request(client, warm, 2, speedup, chat, served_model)  # warm-up, untimed
@@ -277,6 +282,28 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+def run_cell(args: argparse.Namespace, texts: list[str], mode: str, clients: int, speedup: float,
+             offset: int) -> dict:
+    """One cell on a fresh server (``mode``), so that its prefix cache starts empty: the row of
+    :func:`load` plus the mode, the prompt offset and the prompt tokens the server reused and
+    computed (warm-up included, from ``/health``)."""
+    proc, url = start_server(args, serial=mode == "serial")
+    try:
+        before = prefix_stats(url)
+        row = {"mode": mode, "prompt_offset": offset,
+               **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset,
+                                  per_client=args.requests_per_client))}
+        after = prefix_stats(url)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    for key in ("cached_prompt_tokens", "computed_prompt_tokens"):
+        row[key] = after[key] - before[key] if after and before else 0
+    print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
+          f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     if args.replot is not None:  # redraw the PNG of a saved result
@@ -286,24 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     texts = prompts()
     rows: list[dict] = []
     for mode in args.modes:
-        proc, url = start_server(args, serial=mode == "serial")
-        offset = 0  # every mode sees the same prompts, each cell its own (no whole-prompt cache hits)
-        try:
-            for clients in args.clients:
-                for speedup in args.speedups:
-                    before = prefix_stats(url)
-                    row = {"mode": mode, "prompt_offset": offset,
-                           **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset))}
-                    offset += cell_size(clients)
-                    after = prefix_stats(url)
-                    for key in ("cached_prompt_tokens", "computed_prompt_tokens"):  # this cell's, warm-up included
-                        row[key] = after[key] - before[key] if after and before else 0
-                    rows.append(row)
-                    print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
-                          f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+        offset = 0  # every mode the same prompts; the speedups of one client count the same ones too
+        for clients in args.clients:
+            for speedup in args.speedups:
+                rows.append(run_cell(args, texts, mode, clients, speedup, offset))
+            offset += cell_size(clients, args.requests_per_client)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     result = {

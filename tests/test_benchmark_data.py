@@ -97,16 +97,26 @@ def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch,
     assert err.startswith("prompt set differs:\n  train: ") and "differ from the manifest" in err
 
 
-def test_server_load_cells_take_disjoint_prompts():
+def test_server_load_pairs_the_speedups_of_a_client_count_on_the_same_prompts(monkeypatch, tmp_path):
     script = load_script("server_load")
     texts = [f"p{i}" for i in range(500)]
-    offset, seen = 0, set()
-    for clients in (1, 4, 16, 64):
-        for _ in (1, 2):  # two speedups per client count
-            queue, warm = script.cell_prompts(texts, clients, offset)
-            assert len(queue) == max(8, 2 * clients) and warm not in queue
-            cell = set(queue) | {warm}
-            assert not cell & seen  # no prompt repeats within a server
-            seen |= cell
-            offset += script.cell_size(clients)
+    monkeypatch.setattr(script, "prompts", lambda: texts)
+    calls = []
+
+    def fake_cell(args, texts_, mode, clients, speedup, offset):
+        calls.append((mode, clients, speedup, offset))
+        return {"mode": mode, "clients": clients, "speedup": speedup, "requests": 1, "requests_per_second": 1.0,
+                "tokens_per_second": 1.0, "completion_tokens": 1, "latency_p50": 1.0, "latency_p95": 1.0,
+                "ttft_p50": 0.1, "ttft_p95": 0.1}
+
+    monkeypatch.setattr(script, "run_cell", fake_cell)
+    monkeypatch.setattr(script, "plot", lambda result, path: path)
+    script.main(["--clients", "1,16", "--speedups", "1,2", "--requests-per-client", "3", "--out", str(tmp_path)])
+    by = {(m, c, s): o for m, c, s, o in calls}
+    for mode in ("inflight", "serial"):
+        assert by[(mode, 1, 1.0)] == by[(mode, 1, 2.0)] == 0  # the same prompts for both speedups
+        assert by[(mode, 16, 1.0)] == by[(mode, 16, 2.0)] == script.cell_size(1, 3) == 9
+    queue, warm = script.cell_prompts(texts, 16, 9, 3)
+    assert len(queue) == 48 and warm not in queue and len(set(queue)) == 48  # no repeat within a cell
+    assert not (set(queue) | {warm}) & set(script.cell_prompts(texts, 1, 0, 3)[0])  # client counts differ
     assert script.cell_prompts(["a", "b", "c"], 1, 2)[0][:2] == ["c", "a"]  # cyclic when texts run out
