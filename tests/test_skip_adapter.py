@@ -132,8 +132,10 @@ def test_cli_info_generate_and_no_adapter(base_dir, shipped_for_tiny):
     info = json.loads(runner.invoke(app, ["info", "--model", str(base_dir)], env=env).stdout)
     assert info["skip_adapter"]["lora_r"] == 2 and info["skip_adapter"]["policy"] == ADAPTER_POLICY.to_dict()
     assert info["policy"] == ADAPTER_POLICY.to_dict() and "skip_adapter" not in info["skip_config"]
+    assert info["skip_adapter"]["entry_bridge"] is None and info["entry_bridge"] is None  # neither folder has one
     off = json.loads(runner.invoke(app, ["info", "--model", str(base_dir), "--no-adapter"], env=env).stdout)
     assert off["skip_adapter"] is None and off["policy"] == FullPolicy(NUM_LAYERS).to_dict()
+    assert off["entry_bridge"] is None
     # generate: the adapter's policy applies when no policy flag is given; --no-adapter is stock
     on = runner.invoke(app, ["generate", PROMPT, "--model", str(base_dir), "-n", "8", "--json"], env=env)
     stock = runner.invoke(app, ["generate", PROMPT, "--model", str(base_dir), "-n", "8", "--json",

@@ -84,6 +84,8 @@ class EntryBridge(nn.Module):
         """The bridged input (..., C) of entry layer ``layer_idx`` for the warm-up output ``hidden``
         (..., C), in ``hidden``'s dtype. Raises KeyError for a layer without a map."""
         i = self._index[layer_idx]
+        if self.weight.device != hidden.device:  # the model was moved after the bridge was attached
+            self.to(hidden.device)
         w, b = self.weight[i], self.bias[i]
         out = torch.nn.functional.linear(hidden.to(w.dtype), w, b)
         return out.to(hidden.dtype)

@@ -205,7 +205,7 @@ def load(
                 except SkipConfigError as err:
                     raise LoadError(str(err)) from None
             _check_weight_files(path)
-            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged, decode_only)
+            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged, decode_only, bridges)
             bridges.append(path)
         elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
             raise LoadError(f"model path {model} does not exist")
@@ -222,7 +222,7 @@ def load(
     hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged,
                                                         decode_only, bridges)
     hf_model = hf_model.to(device).eval()
-    _attach_bridge(hf_model, bridges)
+    bridge_path = _attach_bridge(hf_model, bridges)
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
     if policy is None and "policy" in skip_config:
@@ -238,6 +238,7 @@ def load(
     if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
         raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
                         f"but the model has {sk.num_layers} layers; the file belongs to another model")
+    sk.entry_bridge_path = bridge_path
     return _accelerate(sk, quantize, compile, unmerged or [], decode_only)
 
 
@@ -274,10 +275,11 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
 
 
 def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None,
-                 decode_only: list[tuple[Path, bool]]) -> tuple[Any, Any]:
+                 decode_only: list[tuple[Path, bool]], bridges: list[Path] | None = None) -> tuple[Any, Any]:
     """Model and tokenizer of a local checkpoint folder (plain HF checkpoint or LoRA adapter; a
     LoRA adapter is merged, or appended to ``unmerged`` when that is a list; a decode-only one is
-    also recorded in ``decode_only``, see :func:`skipdecode.skip_adapter.is_decode_only`).
+    also recorded in ``decode_only``, see :func:`skipdecode.skip_adapter.is_decode_only`; the
+    folder of a LoRA adapter's base whose entry bridge was attached is appended to ``bridges``).
 
     Raises:
         LoadError: the folder is not a checkpoint, or transformers/peft cannot read one of its
@@ -287,7 +289,7 @@ def _from_folder(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: li
         raise LoadError(f"{path} holds no config.json or adapter_config.json: not a checkpoint")
     try:
         if (path / "adapter_config.json").exists():
-            return _from_lora(path, skip_config, dtype, unmerged, decode_only)
+            return _from_lora(path, skip_config, dtype, unmerged, decode_only, bridges)
         return _from_pretrained(str(path), dtype)
     except LoadError:
         raise
@@ -319,15 +321,18 @@ def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
 
 
 def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None,
-               decode_only: list[tuple[Path, bool]]) -> tuple[Any, Any]:
+               decode_only: list[tuple[Path, bool]], bridges: list[Path] | None = None) -> tuple[Any, Any]:
     """Load a peft LoRA adapter and merge it into its base, so decoding pays nothing for it
     (or, when ``unmerged`` is a list, return the base and append ``path`` to it); a decode-only
-    adapter is also appended to ``decode_only``."""
+    adapter is also appended to ``decode_only``, and the base's entry bridge folder (if it has
+    one) to ``bridges``."""
     from peft import PeftModel
 
     cfg = json.loads((path / "adapter_config.json").read_text())
     base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
     base = load(base_name, dtype=dtype, adapter=False)
+    if bridges is not None and base.entry_bridge_path is not None:
+        bridges.append(base.entry_bridge_path)
     if _decode_only(skip_config):
         decode_only.append((path, unmerged is None))
     if unmerged is not None:
@@ -383,15 +388,19 @@ def _decode_only(skip_config: dict[str, Any]) -> bool:
     return is_decode_only(skip_config)
 
 
-def _attach_bridge(hf_model: Any, folders: list[Path]) -> None:
+def _attach_bridge(hf_model: Any, folders: list[Path]) -> Path | None:
     """Attach the entry bridge (:mod:`skipdecode.entry_bridge`) of the last folder in ``folders``
-    that holds one (the skip adapter's over the model's). Raises LoadError for a bad file."""
+    that holds one (the skip adapter's over the model's, the model's over a LoRA base's) and
+    return that folder (None: no folder holds one). Raises LoadError for a bad file."""
+    from safetensors import SafetensorError
+
     from .entry_bridge import EntryBridge, attach_entry_bridge, entry_bridge_files
 
     holding = [f for f in folders if entry_bridge_files(f)]
     if not holding:
-        return
+        return None
     try:
         attach_entry_bridge(hf_model, EntryBridge.load(holding[-1]))
-    except (ValueError, KeyError, OSError) as err:
+    except (ValueError, KeyError, OSError, SafetensorError) as err:
         raise LoadError(f"{holding[-1]}: cannot read its entry bridge: {err}") from None
+    return holding[-1]

@@ -99,6 +99,8 @@ class SkipModel:
         self.skip_config = dict(skip_config or {})
         #: :class:`skipdecode.compiled.CompileReport` when loaded with ``compile=True``, else None
         self.compile_report: Any = None
+        #: the folder whose entry bridge :func:`skipdecode.load` attached (:mod:`skipdecode.entry_bridge`), else None
+        self.entry_bridge_path: Path | None = None
 
     @property
     def quantize(self) -> str | None:

@@ -381,13 +381,18 @@ def quantized_mode(model: nn.Module) -> str | None:
 
 
 def resident_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held by ``model``'s parameters and buffers, each tensor's storage counted once.
+    """Bytes held by ``model``'s parameters and buffers, each tensor's storage counted once, plus
+    those of the entry bridge attached to it (:mod:`skipdecode.entry_bridge`, kept outside the
+    module tree; float).
 
     Returns ``{"total", "quantized" (int8/int4 weights and their scales), "float"}`` in bytes.
     """
+    from .entry_bridge import entry_bridge_of
+
     seen: set[int] = set()
     quant = total = 0
-    for module in model.modules():
+    bridge = entry_bridge_of(model)
+    for module in [*model.modules(), *(bridge.modules() if bridge is not None else ())]:
         is_q = isinstance(module, _QuantLinear)
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             key = t.untyped_storage().data_ptr()

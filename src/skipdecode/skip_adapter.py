@@ -37,6 +37,7 @@ __all__ = [
     "merge_adapter",
     "is_decode_only",
     "adapter_summary",
+    "entry_bridge_summary",
     "install_adapter",
 ]
 
@@ -131,13 +132,52 @@ def _size_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]:
-    """What ``skipdecode info`` reports about a merged skip adapter: its folder (relative to the
-    package for a shipped one), size in bytes, LoRA rank, trained policy, and the ``adapter``
-    record of its ``skipdecode.json`` (command, minutes, prompt-set hashes).
+def entry_bridge_summary(path: str | os.PathLike) -> dict[str, Any] | None:
+    """What ``skipdecode info`` reports about the entry bridge file (:mod:`skipdecode.entry_bridge`)
+    in folder ``path``, read from its header (no tensor is loaded), or None when it has none:
+    ``{"file", "source", "targets": {"count", "first", "last"}, "hidden_size", "dtype", "bytes",
+    "megabytes"}`` (source and targets: layers; megabytes: 10^6 bytes of the file).
 
     Raises:
-        AdapterError: as :func:`read_adapter_config`.
+        AdapterError: the file is not safetensors, or lacks the bridge's metadata or tensors
+            (names the file).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from .entry_bridge import ENTRY_BRIDGE_FILE
+
+    f = Path(path) / ENTRY_BRIDGE_FILE
+    if not f.is_file():
+        return None
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {})["skipdecode_entry_bridge"])
+            weight = fh.get_slice("weight")
+            shape, dtype = weight.get_shape(), weight.get_dtype()
+        targets = [int(t) for t in meta["targets"]]
+        source = int(meta["source"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
+        raise AdapterError(f"{f}: not a readable entry bridge ({type(err).__name__}: {err})") from None
+    size = f.stat().st_size
+    return {
+        "file": ENTRY_BRIDGE_FILE,
+        "source": source,
+        "targets": {"count": len(targets), "first": min(targets, default=None), "last": max(targets, default=None)},
+        "hidden_size": int(shape[-1]),
+        "dtype": dtype,
+        "bytes": size,
+        "megabytes": round(size / 1e6, 3),
+    }
+
+
+def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]:
+    """What ``skipdecode info`` reports about a merged skip adapter: its folder (relative to the
+    package for a shipped one), size in bytes, LoRA rank, trained policy, the ``adapter``
+    record of its ``skipdecode.json`` (command, minutes, prompt-set hashes), and its entry
+    bridge (:func:`entry_bridge_summary`; None without one).
+
+    Raises:
+        AdapterError: as :func:`read_adapter_config`; an unreadable entry bridge file.
     """
     path = Path(path)
     meta = read_adapter_config(path)
@@ -153,6 +193,7 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
         "speedups": meta.get("speedups"),
         "training": meta.get("adapter", {}),
         "decode_only": is_decode_only(meta),
+        "entry_bridge": entry_bridge_summary(path),
     }
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..entry_bridge import EntryBridge, fit_entry_bridge
-from ..policy import SkipPolicy
+from ..policy import FullPolicy, SkipPolicy
 from .batching import TokenizedExample
 from .config import TrainConfigError
 
@@ -21,13 +21,16 @@ log = logging.getLogger("skipdecode.train")
 
 
 def bridge_source(policies: Sequence[tuple[str, SkipPolicy]]) -> int:
-    """The bridge's source layer, ``warmup_layers - 1``, shared by every trained policy.
+    """The bridge's source layer, ``warmup_layers - 1``, shared by every trained skip policy
+    (full-depth policies never jump and are ignored).
 
     Raises:
-        TrainConfigError: ``entry_bridge`` with policies of different warm-up depths (one bridge
-            maps from one layer).
+        TrainConfigError: ``entry_bridge`` with skip policies of different warm-up depths (one
+            bridge maps from one layer), or with full-depth policies only.
     """
-    warm = {int(getattr(p, "warmup_layers", 0)) for _, p in policies}
+    warm = {int(p.warmup_layers) for _, p in policies if not isinstance(p, FullPolicy)}
+    if not warm:
+        raise TrainConfigError("entry_bridge", "every policy runs at full depth: there is no jump to bridge")
     if len(warm) != 1:
         raise TrainConfigError("entry_bridge", f"needs one warmup_layers for every policy, got {sorted(warm)}")
     return warm.pop() - 1
