@@ -145,3 +145,20 @@ def test_bad_bridges_are_refused(bad):
     kw = {"targets": [2, 3], **bad}
     with pytest.raises(ValueError, match="entry bridge"):
         EntryBridge(8, 0, kw.pop("targets"), **kw)
+
+
+def test_saved_dtypes_round_trip(tmp_path):
+    bridge = _bridge(16)
+    for dtype, tol in ((torch.float32, 0.0), (torch.float16, 2e-3), (torch.int8, None)):
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        bridge.save(d, dtype=dtype)
+        got = EntryBridge.load(d)
+        assert got.targets == bridge.targets and got.source == bridge.source and got.weight.dtype == torch.float32
+        if tol is None:  # per-row int8: within half a quantization step of each row
+            step = bridge.weight.abs().amax(-1, keepdim=True) / 127
+            assert bool(((got.weight - bridge.weight).abs() <= step / 2 + 1e-6).all())
+        else:
+            torch.testing.assert_close(got.weight, bridge.weight, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="dtype"):
+        bridge.save(tmp_path, dtype=torch.int32)

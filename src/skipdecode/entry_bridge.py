@@ -97,19 +97,33 @@ class EntryBridge(nn.Module):
                 "reference": "Din et al. 2023, arXiv 2303.09435 (linear short-cuts); project extension"}
 
     def save(self, directory: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        """Write ``entry_bridge.safetensors`` (weights in ``dtype``) into ``directory``; returns :meth:`meta`."""
+        """Write ``entry_bridge.safetensors`` into ``directory``; returns :meth:`meta`.
+
+        ``dtype`` float32, float16 or bfloat16 stores the weights in it; ``torch.int8`` stores
+        them symmetric per output row (``weight_int8`` (n, C, C) and ``weight_scale`` (n, C, 1),
+        float32, scale = row absmax / 127; a quarter of float32's bytes) and :meth:`load`
+        dequantizes them. The bias stays float32 for int8. Raises ValueError for another dtype.
+        """
         from safetensors.torch import save_file
 
         meta = self.meta()
-        tensors = {"weight": self.weight.detach().to("cpu", dtype).contiguous(),
-                   "bias": self.bias.detach().to("cpu", dtype).contiguous()}
+        w = self.weight.detach().to("cpu", torch.float32)
+        if dtype == torch.int8:
+            scale = (w.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
+            tensors = {"weight_int8": torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous(),
+                       "weight_scale": scale.contiguous(), "bias": self.bias.detach().to("cpu", torch.float32)}
+        elif dtype in (torch.float32, torch.float16, torch.bfloat16):
+            tensors = {"weight": w.to(dtype).contiguous(), "bias": self.bias.detach().to("cpu", dtype).contiguous()}
+        else:
+            raise ValueError(f"entry bridge dtype must be float32, float16, bfloat16 or int8, got {dtype}")
         save_file(tensors, str(Path(directory) / ENTRY_BRIDGE_FILE),
                   metadata={"skipdecode_entry_bridge": json.dumps(meta)})
         return meta
 
     @classmethod
     def load(cls, directory: str | Path) -> "EntryBridge":
-        """Read ``entry_bridge.safetensors`` from ``directory`` (float32 in memory).
+        """Read ``entry_bridge.safetensors`` from ``directory`` (float32 in memory; int8 weights
+        are dequantized with their per-row scales).
 
         Raises:
             FileNotFoundError: no bridge file there.
@@ -125,7 +139,12 @@ class EntryBridge(nn.Module):
             if raw is None:
                 raise ValueError(f"{path} has no skipdecode_entry_bridge metadata")
             meta = json.loads(raw)
-            weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+            names = set(f.keys())
+            if "weight_int8" in names:  # per-row int8 (save(dtype=torch.int8))
+                weight = f.get_tensor("weight_int8").float() * f.get_tensor("weight_scale").float()
+            else:
+                weight = f.get_tensor("weight")
+            bias = f.get_tensor("bias")
         return cls(weight.shape[-1], meta["source"], meta["targets"], weight=weight, bias=bias)
 
 

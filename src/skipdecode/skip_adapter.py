@@ -152,7 +152,7 @@ def entry_bridge_summary(path: str | os.PathLike) -> dict[str, Any] | None:
     try:
         with safe_open(str(f), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["skipdecode_entry_bridge"])
-            weight = fh.get_slice("weight")
+            weight = fh.get_slice("weight_int8" if "weight_int8" in fh.keys() else "weight")
             shape, dtype = weight.get_shape(), weight.get_dtype()
         targets = [int(t) for t in meta["targets"]]
         source = int(meta["source"])
@@ -200,9 +200,10 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
-    data as a shipped skip adapter: ``adapter_config.json``, the weights (and an entry bridge,
-    :mod:`skipdecode.entry_bridge`, when the run has one) as float16 safetensors
-    (half the bytes; they are cast back up when merged or loaded) and ``skipdecode.json`` (its training
+    data as a shipped skip adapter: ``adapter_config.json``, the weights as float16 safetensors
+    (half the bytes; they are cast back up when merged), an entry bridge when the run has one
+    (:mod:`skipdecode.entry_bridge`, per-row int8, a quarter of the bytes, dequantized at load)
+    and ``skipdecode.json`` (its training
     losses and run-local paths dropped). Written to a temporary folder and renamed into place.
 
     Returns:
@@ -226,7 +227,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         from .entry_bridge import EntryBridge, entry_bridge_files
 
         if entry_bridge_files(src):  # its entry bridge (skipdecode.entry_bridge), also as float16
-            EntryBridge.load(src).save(tmp, dtype=torch.float16)
+            EntryBridge.load(src).save(tmp, dtype=torch.int8)
         from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
