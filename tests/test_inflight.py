@@ -354,3 +354,37 @@ def test_real_model_inflight_equals_static_batch():
         static = sk.generate(prompts, max_new_tokens=16, policy=policy)
         inflight = sk.generate(prompts, max_new_tokens=16, policy=policy, max_batch_size=2)
         assert inflight.token_ids == static.token_ids
+
+
+def test_rows_record_how_many_rows_shared_their_decode_steps():
+    from skipdecode.engine import mean_batch_rows
+
+    adapter = adapter_of("llama")
+    # a: 9 tokens from step 0; b: 4 tokens joining at step 3 -> b's 3 decode steps all run beside a
+    reqs = [Request(prompt(5, 1), 9, POLICIES[0]), Request(prompt(4, 2), 4, POLICIES[0])]
+    eng = Engine(adapter, max_batch_size=4)
+    rows = {}
+    eng.submit(reqs[0])
+    step = 0
+    while eng.busy or step < 3:
+        if step == 3:
+            eng.submit(reqs[1])
+        for ev in eng.step():
+            rows[id(ev.row.request)] = ev.row
+        step += 1
+    a, b = rows[id(reqs[0])], rows[id(reqs[1])]
+    assert len(b.layers_run) == 3 and b.shared_rows == 2 * 3  # always beside a
+    # a decoded 8 steps: beside b for b's 3 decode steps, alone in the other 5
+    assert len(a.layers_run) == 8 and a.shared_rows == 8 + 3
+    assert mean_batch_rows([b]) == 2.0 and mean_batch_rows([a]) == pytest.approx(11 / 8)
+    assert mean_batch_rows([]) is None
+
+
+def test_generate_reports_the_mean_batch_of_its_decode_steps(tokenizer):
+    from skipdecode import SkipModel
+
+    sk = SkipModel(make_model("llama", L), tokenizer)
+    static = sk.generate(TEXT_PROMPTS[:2], max_new_tokens=5, policy=POLICIES[0])
+    assert static.stats()["mean_batch_rows"] == 2.0 and static.mean_batch_rows is None
+    one_slot = sk.generate(TEXT_PROMPTS[:2], max_new_tokens=5, policy=POLICIES[0], max_batch_size=1)
+    assert one_slot.stats()["mean_batch_rows"] == 1.0  # one row at a time: never shared

@@ -37,7 +37,7 @@ from .policy import FullPolicy, SkipPolicy
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight"]
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight", "mean_batch_rows"]
 
 
 @dataclass(eq=False)
@@ -80,6 +80,8 @@ class Row:
         joined_at: engine step count when it joined (for tests and statistics).
         cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead
             of its prefill (tokens; :mod:`skipdecode.prefix_cache`).
+        shared_rows: summed over its decode steps, the rows that step ran (itself included), so
+            ``shared_rows / len(layers_run)`` is the mean batch it decoded in (rows).
     """
 
     request: Request
@@ -94,11 +96,20 @@ class Row:
     decode_seconds: float = 0.0
     joined_at: int = 0
     cached_prompt_tokens: int = 0
+    shared_rows: int = 0
 
     @property
     def step(self) -> int:
         """Index of the last generated token (0: from the prefill)."""
         return len(self.tokens) - 1
+
+
+def mean_batch_rows(rows: Sequence[Row]) -> float | None:
+    """Mean rows per engine step over the decode steps of ``rows`` (rows of every request in the
+    engine, counted at each step one of ``rows`` decoded; ``Row.shared_rows``); None when they
+    ran no decode step."""
+    steps = sum(len(r.layers_run) for r in rows)
+    return sum(r.shared_rows for r in rows) / steps if steps else None
 
 
 @dataclass
@@ -387,6 +398,7 @@ class Engine:
         for row in rows:
             if row.step > 0:
                 row.decode_seconds += seconds
+                row.shared_rows += len(rows)
             if row.finished:
                 self._release(row)
         return events
@@ -481,6 +493,7 @@ def generate_inflight(
     layers_run: list[int] = []
     finished = [False] * len(prompts)
     cached = [0] * len(prompts)
+    done_rows: list[Row] = []
     while engine.busy:
         events = engine.step()
         deltas = [""] * len(prompts)
@@ -491,6 +504,8 @@ def generate_inflight(
             deltas[i] = texts[i].push(ev.token, ev.finished)
             column[i] = ev.token
             finished[i] = ev.finished
+            if ev.finished:
+                done_rows.append(ev.row)
             if ev.step > 0:
                 layers_run.append(ev.num_layers_run)
         if on_chunk is not None and events:
@@ -510,4 +525,5 @@ def generate_inflight(
         batch_size=min(max_batch_size, len(prompts)),
         policy=policy.to_dict(),
         cached_prompt_tokens=cached,
+        mean_batch_rows=mean_batch_rows(done_rows),
     )

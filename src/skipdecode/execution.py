@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .engine import Request, Row, TokenEvent
+from .engine import Request, Row, TokenEvent, mean_batch_rows
 from .generate import GenerationResult, RowText, _eos_ids
 from .model import SkipModel
 from .scheduler import Scheduler
@@ -79,7 +79,8 @@ class Submission:
         steps (so ``theoretical_speedup`` = L x row-steps / layers run, METHOD.md), ``decode_steps``
         and ``decode_seconds`` are those of its longest row, ``prefill_seconds`` its slowest
         prefill (time to first token); ``cached_prompt_tokens`` its rows' prompt tokens reused
-        from the engine's prefix cache.
+        from the engine's prefix cache; ``mean_batch_rows`` the rows of all requests that its
+        decode steps ran with (:func:`skipdecode.engine.mean_batch_rows`).
         """
         rows = [r for r in self.rows if isinstance(r, Row)]
         return GenerationResult(
@@ -96,6 +97,7 @@ class Submission:
             batch_size=len(rows),
             policy=self.job.policy.to_dict(),
             cached_prompt_tokens=[r.cached_prompt_tokens for r in rows],
+            mean_batch_rows=mean_batch_rows(rows),
         )
 
 

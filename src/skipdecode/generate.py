@@ -217,6 +217,9 @@ class GenerationResult:
         policy: the policy's ``to_dict()``.
         cached_prompt_tokens: per prompt, leading prompt tokens reused from the in-flight
             engine's prefix cache instead of prefilled (tokens; empty: none, e.g. a static batch).
+        mean_batch_rows: in-flight runs, the mean number of rows (of every request in the engine)
+            that shared this run's decode steps (rows per step; None: a static batch, where it
+            is ``batch_size``).
     """
 
     texts: list[str]
@@ -232,6 +235,7 @@ class GenerationResult:
     batch_size: int
     policy: dict = field(default_factory=dict)
     cached_prompt_tokens: list[int] = field(default_factory=list)
+    mean_batch_rows: float | None = None
 
     @classmethod
     def from_record(cls, record: dict, num_layers: int, policy: SkipPolicy) -> "GenerationResult":
@@ -282,6 +286,7 @@ class GenerationResult:
         """JSON-serialisable statistics (counts in tokens, times in seconds)."""
         return {
             "batch_size": self.batch_size,
+            "mean_batch_rows": float(self.batch_size) if self.mean_batch_rows is None else self.mean_batch_rows,
             "prompt_tokens": sum(self.prompt_tokens),
             "cached_prompt_tokens": sum(self.cached_prompt_tokens),
             "new_tokens": sum(self.new_tokens),
