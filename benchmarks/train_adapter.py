@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--entry-bridge", action=argparse.BooleanOptionalAction, default=True,
                     help="fit an affine map per entry layer before training and train with it "
                          "(TrainConfig.entry_bridge; a project extension, docs/entry-bridge.md)")
+    ap.add_argument("--entry-bridge-lr", type=float, default=None,
+                    help="train the entry bridge too, at this learning rate (default: it stays as fitted)")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=0.05,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
         distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad,
-        base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, base_model="smollm2-135m-instruct" if args.model is None else None,
+        base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr, base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
         resume=args.resume, progress=False, seed=0, device=args.device,
     )

@@ -327,8 +327,35 @@ def test_resume_reloads_the_checkpoint_bridge(tmp_path, monkeypatch):
     assert info.value.field == "entry_bridge"
 
 
+def test_a_trained_bridge_moves_and_resumes_like_an_uninterrupted_run(tmp_path, monkeypatch):
+    settings = dict(max_steps=4, checkpoint_every=2, entry_bridge=True, entry_bridge_examples=3,
+                    entry_bridge_lr=1e-2, lora_r=2, lr=1e-2)
+    seen = _spy_attach(monkeypatch)
+    whole = train(tiny_skipmodel(), examples(), cfg(tmp_path / "whole", **settings))
+    bridge, w0, _ = seen[0]
+    assert bridge.weight.requires_grad and not torch.equal(bridge.weight.detach(), w0)  # it trained
+    final = EntryBridge.load(whole.final_dir)
+    torch.testing.assert_close(final.weight, bridge.weight.detach())  # the trained bridge is saved
+    assert json.loads((Path(whole.final_dir) / SKIP_CONFIG_NAME).read_text())["training"]["entry_bridge"]["trained"]
+
+    def kill(info):
+        if info["step"] == 2:
+            raise Killed
+
+    out = tmp_path / "cut"
+    with pytest.raises(Killed):
+        train(tiny_skipmodel(), examples(), cfg(out, **settings), callback=kill)
+    resumed = train(tiny_skipmodel(), examples(), cfg(out, resume=True, **settings))
+    assert resumed.resumed_from.endswith("checkpoint-00000002")
+    got = EntryBridge.load(resumed.final_dir)  # the optimizer state of the bridge was restored too
+    torch.testing.assert_close(got.weight, final.weight, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.bias, final.bias, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kw,field", [(dict(entry_bridge_examples=0), "entry_bridge_examples"),
-                                      (dict(entry_bridge="yes"), "entry_bridge")])
+                                      (dict(entry_bridge="yes"), "entry_bridge"),
+                                      (dict(entry_bridge_lr=0.0), "entry_bridge_lr"),
+                                      (dict(entry_bridge_lr=1e-3, entry_bridge=False), "entry_bridge_lr")])
 def test_bridge_settings_are_checked(tmp_path, kw, field):
     with pytest.raises(TrainConfigError) as info:
         cfg(tmp_path, **{"entry_bridge": True, **kw})

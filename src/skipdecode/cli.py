@@ -324,6 +324,7 @@ def train(
     prompt_grad: bool = typer.Option(True, "--prompt-grad/--no-prompt-grad", help="Backpropagate through the prompt; --no-prompt-grad runs it (less its last token) under no_grad (same loss, faster)."),
     base_prefill: bool = typer.Option(False, "--base-prefill", help="With --lora-r and --no-prompt-grad: the base model (adapter off) prefills the prompt, the adapter trains on decode positions only (a decode-only adapter)."),
     entry_bridge: bool = typer.Option(False, "--entry-bridge", help="Fit an affine map per entry layer (least squares on full-depth hidden states) and train with it; saved with the model (a project extension, docs/entry-bridge.md)."),
+    entry_bridge_lr: Optional[float] = typer.Option(None, "--entry-bridge-lr", help="With --entry-bridge: train the bridge too, at this learning rate (default: it stays as fitted)."),
     teacher_forcing: str = typer.Option("sparse", "--teacher-forcing", help="sparse (each layer runs only on the positions that need it) or masked (every layer on every position; same values)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto."),
@@ -361,7 +362,7 @@ def train(
             kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens, lora_r=lora_r,
             lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
             progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
-            entry_bridge=entry_bridge,
+            entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr,
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")

@@ -107,6 +107,9 @@ class TrainConfig:
             with it attached (frozen). It is saved with the model and applied by
             :func:`skipdecode.load`.
         entry_bridge_examples: at most this many training examples feed the fit (>= 1).
+        entry_bridge_lr: None: the fitted bridge stays frozen; a number > 0: it trains too, with
+            this learning rate (AdamW, no weight decay, the run's schedule; its gradient norm is
+            clipped on its own, so it never scales down the model's). Needs ``entry_bridge``.
 
     Distillation:
         distill: train on the full-depth model's own greedy answers (computed before training,
@@ -169,6 +172,7 @@ class TrainConfig:
     base_prefill: bool = False
     entry_bridge: bool = False
     entry_bridge_examples: int = 512
+    entry_bridge_lr: float | None = None
     seed: int = 0
     device: str = "cpu"
     bf16: bool = False
@@ -300,6 +304,12 @@ def _check_optimisation(c: "TrainConfig") -> None:
     _check_bool(c, "base_prefill")
     _check_bool(c, "entry_bridge")
     _check_int(c, "entry_bridge_examples", 1)
+    if c.entry_bridge_lr is not None:
+        if isinstance(c.entry_bridge_lr, bool) or not isinstance(c.entry_bridge_lr, (int, float)) \
+                or not math.isfinite(c.entry_bridge_lr) or c.entry_bridge_lr <= 0:
+            _fail("entry_bridge_lr", f"must be a finite number > 0 or None, got {c.entry_bridge_lr!r}")
+        if not c.entry_bridge:
+            _fail("entry_bridge_lr", "needs entry_bridge=true, i.e. --entry-bridge (there is no bridge to train)")
     if c.base_prefill and c.prompt_grad:
         _fail("base_prefill", "needs prompt_grad=false, i.e. --no-prompt-grad (the base model prefills the prompt "
                               "without gradient)")
@@ -350,6 +360,7 @@ RESUME_FIELDS = (
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
     "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill", "entry_bridge", "entry_bridge_examples",
+    "entry_bridge_lr",
 )
 
 

@@ -97,6 +97,8 @@ class _Run:
         self.start_step = 0
         self.peft_model = None
         self.bridge_record: dict[str, Any] | None = None
+        self.bridge: nn.Module | None = None
+        self.bridge_params: list[nn.Parameter] = []  # trained bridge parameters (entry_bridge_lr)
         # a separate KL teacher: loaded once, before any data work, so a bad one fails early
         self.own_teacher = load_teacher(config.teacher, self.sk, self.accelerator.device) if config.teacher else None
 
@@ -177,9 +179,14 @@ class _Run:
             ck.load_weights(self.ckpt, hf_model, self.peft_model)
         module = SkipLossModule(trainable, adapter, sparse=c.teacher_forcing == "sparse", prompt_grad=c.prompt_grad,
                                 base_prefill=c.base_prefill)
+        if self.bridge_params:  # a trained bridge: a submodule, so that Accelerate moves and wraps it
+            module.entry_bridge = self.bridge
         module.train()
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.params, lr=c.lr, weight_decay=c.weight_decay)
+        self.params = [p for p in module.parameters() if p.requires_grad and not _holds(self.bridge_params, p)]
+        groups = [{"params": self.params}]
+        if self.bridge_params:
+            groups.append({"params": self.bridge_params, "lr": c.entry_bridge_lr, "weight_decay": 0.0})
+        optimizer = torch.optim.AdamW(groups, lr=c.lr, weight_decay=c.weight_decay)
         warmup = c.warmup_steps if c.warmup_steps is not None else int(c.warmup_ratio * self.total_steps)
         self.scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=min(warmup, self.total_steps),
                                        num_training_steps=self.total_steps)
@@ -200,7 +207,10 @@ class _Run:
             bridge, self.bridge_record = fit_training_bridge(
                 hf_model, self.train_items, self.policies, self.num_layers, self.config.entry_bridge_examples,
                 progress=self.config.progress and self.main)
-        bridge.requires_grad_(False)
+        bridge.requires_grad_(self.config.entry_bridge_lr is not None)
+        self.bridge_record = {**(self.bridge_record or {}), "trained": self.config.entry_bridge_lr is not None}
+        self.bridge = bridge
+        self.bridge_params = list(bridge.parameters()) if self.config.entry_bridge_lr is not None else []
         attach_entry_bridge(hf_model, bridge)
 
     def _restore_state(self) -> None:
@@ -271,6 +281,8 @@ class _Run:
                 acc.backward(loss)
         if c.max_grad_norm > 0:
             acc.clip_grad_norm_(self.params, c.max_grad_norm)
+            if self.bridge_params:
+                acc.clip_grad_norm_(self.bridge_params, c.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -470,6 +482,11 @@ class _Run:
         if callback is not None:
             callback({"step": done, "total_steps": self.total_steps, "loss": loss_value, "lr": lr,
                       "speedup": label, "checkpoint": str(ckpt_path) if ckpt_path else None})
+
+
+def _holds(params: list[nn.Parameter], p: nn.Parameter) -> bool:
+    """Whether ``p`` is one of ``params`` (by identity)."""
+    return any(p is q for q in params)
 
 
 def _enable_checkpointing(inner: nn.Module, adapter: Adapter) -> None:
