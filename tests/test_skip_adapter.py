@@ -189,7 +189,7 @@ def test_embedded_model_ships_its_2x_adapter():
     schedule as the default policy, absent with adapter=False."""
     folder = sa.shipped_adapter_for("smollm2-135m-instruct")
     assert folder is not None, "the package data skip_adapters/smollm2-135m-instruct is missing"
-    assert sum(f.stat().st_size for f in folder.iterdir()) < 12_000_000
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 20_000_000  # LoRA 9.8 MB + int8 entry bridge 9.3 MB
     meta = json.loads((folder / "skipdecode.json").read_text())
     for key in ("command", "minutes", "prompt_set"):
         assert key in meta["adapter"], key
@@ -208,3 +208,8 @@ def test_embedded_model_ships_its_2x_adapter():
     q_a = q.base.weight
     q_s = stock.model.model.layers[29].self_attn.q_proj.weight
     assert not torch.equal(q_a, q_s)
+    from skipdecode.entry_bridge import entry_bridge_of  # the adapter's entry bridge comes with it
+
+    bridge = entry_bridge_of(adapted.model)
+    assert bridge is not None and bridge.source == 0 and bridge.has(10) and bridge.has(22)
+    assert entry_bridge_of(stock.model) is None
