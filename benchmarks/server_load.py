@@ -174,23 +174,25 @@ async def one_request(client, prompt: str, max_tokens: int, speedup: float,
 
 
 def cell_size(clients: int, per_client: int = 2) -> int:
-    """Requests of one load cell (``max(8, per_client x clients)``) plus its warm-up request."""
-    return max(8, per_client * clients) + 1
+    """Requests of one load cell (``max(8, per_client x clients)``) plus its ``clients`` warm-up
+    requests."""
+    return max(8, per_client * clients) + clients
 
 
-def cell_prompts(texts: list[str], clients: int, offset: int, per_client: int = 2) -> tuple[list[str], str]:
-    """The timed prompts and the warm-up prompt of a cell: ``texts[offset : offset +
-    cell_size(clients, per_client)]`` (cyclically), the last one for the warm-up."""
+def cell_prompts(texts: list[str], clients: int, offset: int, per_client: int = 2) -> tuple[list[str], list[str]]:
+    """The timed prompts and the warm-up prompts of a cell: ``texts[offset : offset +
+    cell_size(clients, per_client)]`` (cyclically), the last ``clients`` for the warm-up."""
     block = [texts[(offset + i) % len(texts)] for i in range(cell_size(clients, per_client))]
-    return block[:-1], block[-1]
+    return block[:-clients], block[-clients:]
 
 
 async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
                chat: bool = False, served_model: str = "bench", offset: int = 0, per_client: int = 2) -> dict:
     """One load cell: ``clients`` concurrent streaming clients send ``max(8, per_client x clients)``
-    requests to the server at ``url`` (serving ``served_model``), after one untimed warm-up request.
+    requests to the server at ``url`` (serving ``served_model``), after an untimed warm-up round of
+    ``clients`` concurrent requests with the same settings on other prompts.
     The cell uses prompts ``texts[offset : offset + cell_size(clients, per_client)]`` (cyclically),
-    the last one for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
+    the last ``clients`` for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
     what prompts really share. Returns requests/s, tokens/s (from the server's ``usage``),
     tokens per request and p50/p95 latency and time to first token (seconds)."""
     from openai import AsyncOpenAI
@@ -198,7 +200,9 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
     queue, warm = cell_prompts(texts, clients, offset, per_client)
     total = len(queue)
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
-        await one_request(client, warm, 2, speedup, chat, served_model)  # warm-up, untimed
+        # warm-up, untimed: one round of `clients` concurrent requests at the cell's settings, so
+        # that a fresh server has run this batch size and this policy before the clock starts
+        await asyncio.gather(*(one_request(client, w, max_tokens, speedup, chat, served_model) for w in warm))
         results: list[tuple[float, float, int]] = []
 
         async def worker(k: int) -> None:

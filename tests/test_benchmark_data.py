@@ -117,6 +117,7 @@ def test_server_load_pairs_the_speedups_of_a_client_count_on_the_same_prompts(mo
         assert by[(mode, 1, 1.0)] == by[(mode, 1, 2.0)] == 0  # the same prompts for both speedups
         assert by[(mode, 16, 1.0)] == by[(mode, 16, 2.0)] == script.cell_size(1, 3) == 9
     queue, warm = script.cell_prompts(texts, 16, 9, 3)
-    assert len(queue) == 48 and warm not in queue and len(set(queue)) == 48  # no repeat within a cell
-    assert not (set(queue) | {warm}) & set(script.cell_prompts(texts, 1, 0, 3)[0])  # client counts differ
+    assert len(queue) == 48 and len(warm) == 16 and not set(warm) & set(queue)  # one warm-up round
+    assert len(set(queue) | set(warm)) == 64  # no repeat within a cell
+    assert not (set(queue) | set(warm)) & set(script.cell_prompts(texts, 1, 0, 3)[0])  # client counts differ
     assert script.cell_prompts(["a", "b", "c"], 1, 2)[0][:2] == ["c", "a"]  # cyclic when texts run out

@@ -167,6 +167,7 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
             assert 0 < row["ttft_p50"] <= row["latency_p50"]
         served = health(url)["scheduler"]["generated_tokens"] - before["generated_tokens"]
         warm_up = served - sum(row["completion_tokens"] for row in rows.values())
-        assert 2 <= warm_up <= 4  # the two untimed warm-up requests (1-2 tokens each), nothing else
+        # per cell one untimed warm-up round of 2 clients x at most 3 tokens, nothing else
+        assert 2 * 2 <= warm_up <= 2 * 2 * 3
     finally:
         stop_server(proc)
