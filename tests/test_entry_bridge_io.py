@@ -355,7 +355,8 @@ def test_a_trained_bridge_moves_and_resumes_like_an_uninterrupted_run(tmp_path, 
 @pytest.mark.parametrize("kw,field", [(dict(entry_bridge_examples=0), "entry_bridge_examples"),
                                       (dict(entry_bridge="yes"), "entry_bridge"),
                                       (dict(entry_bridge_lr=0.0), "entry_bridge_lr"),
-                                      (dict(entry_bridge_lr=1e-3, entry_bridge=False), "entry_bridge_lr")])
+                                      (dict(entry_bridge_lr=1e-3, entry_bridge=False), "entry_bridge_lr"),
+                                      (dict(speedup=1.0), "entry_bridge")])
 def test_bridge_settings_are_checked(tmp_path, kw, field):
     with pytest.raises(TrainConfigError) as info:
         cfg(tmp_path, **{"entry_bridge": True, **kw})

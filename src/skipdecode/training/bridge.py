@@ -30,7 +30,7 @@ def bridge_source(policies: Sequence[tuple[str, SkipPolicy]]) -> int:
     """
     warm = {int(p.warmup_layers) for _, p in policies if not isinstance(p, FullPolicy)}
     if not warm:
-        raise TrainConfigError("entry_bridge", "every policy runs at full depth: there is no jump to bridge")
+        raise TrainConfigError("entry_bridge", "needs a skip policy: every policy runs at full depth, so no token jumps")
     if len(warm) != 1:
         raise TrainConfigError("entry_bridge", f"needs one warmup_layers for every policy, got {sorted(warm)}")
     return warm.pop() - 1

@@ -304,10 +304,15 @@ def _check_optimisation(c: "TrainConfig") -> None:
     _check_bool(c, "base_prefill")
     _check_bool(c, "entry_bridge")
     _check_int(c, "entry_bridge_examples", 1)
+    speeds = list(c.speedups) if c.speedups else [c.speedup]
+    if c.entry_bridge and c.max_layers is None and c.min_layers is None and all(v == 1 for v in speeds):
+        _fail("entry_bridge", "needs a skip schedule (a speedup above 1): at full depth no token jumps, "
+                              "so there is nothing to bridge")
     if c.entry_bridge_lr is not None:
         if isinstance(c.entry_bridge_lr, bool) or not isinstance(c.entry_bridge_lr, (int, float)) \
                 or not math.isfinite(c.entry_bridge_lr) or c.entry_bridge_lr <= 0:
-            _fail("entry_bridge_lr", f"must be a finite number > 0 or None, got {c.entry_bridge_lr!r}")
+            _fail("entry_bridge_lr", f"must be a finite number > 0 (leave it unset to keep the fitted bridge), "
+                                     f"got {c.entry_bridge_lr!r}")
         if not c.entry_bridge:
             _fail("entry_bridge_lr", "needs entry_bridge=true, i.e. --entry-bridge (there is no bridge to train)")
     if c.base_prefill and c.prompt_grad:
