@@ -74,6 +74,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "off: the stock weights. Ignored with --model")
     p.add_argument("--chat", action="store_true",
                    help="send chat completions (the adapter's training format) instead of text completions")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the server's torch threads (`skipdecode serve --threads`; default: torch's, one per core)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--name", default="server_load", help="results base name under --out")
@@ -88,8 +90,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--clients and --speedups take comma-separated numbers")
     args.modes = args.modes.split(",")
     if (not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1
-            or args.requests_per_client < 1):
-        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1; --requests-per-client >= 1")
+            or args.requests_per_client < 1 or (args.threads is not None and args.threads < 1)):
+        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1; --requests-per-client >= 1; --threads >= 1")
     if not 1 <= args.cohort_size <= args.max_batch_size:
         p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args
@@ -121,6 +123,8 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         cmd.append("--no-adapter")
     if args.no_prefix_cache:
         cmd.append("--no-prefix-cache")
+    if args.threads is not None:
+        cmd += ["--threads", str(args.threads)]
     if serial:
         cmd.append("--serial")
     elif args.cohort_size != 1:
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
-        "cohort_size": args.cohort_size, "prefix_cache": not args.no_prefix_cache, "device": args.device,
+        "cohort_size": args.cohort_size, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
         "dtype": args.dtype, "rows": rows, "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

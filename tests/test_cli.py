@@ -303,3 +303,24 @@ def test_console_entry_point_success_and_help_exit_0(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0 and "generate" in capsys.readouterr().out
+
+
+def test_serve_rejects_zero_threads_before_loading(runner, tmp_path):
+    """--threads 0 is refused with one line naming the option, before any model is loaded."""
+    res = invoke(runner, ["serve", "--threads", "0", "--model", str(tmp_path / "no_such_model")])
+    assert res.exit_code == 2, res.output
+    message = squash(res.output)
+    assert "--threadsmustbe>=1,got0" in message and "no_such_model" not in message, res.output
+
+
+def test_set_threads_applies_the_count_and_keeps_the_default_when_unset():
+    from skipdecode.cli_common import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+        set_threads(None)  # unset: left as it is
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

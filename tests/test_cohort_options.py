@@ -171,3 +171,32 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
         assert 2 * 2 <= warm_up <= 2 * 2 * 3
     finally:
         stop_server(proc)
+
+
+def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, capsys):
+    """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser."""
+    from test_recipe_study import load_script
+
+    server_load = load_script("server_load")
+    seen = {}
+
+    class ExitedServer:  # a server process that exits at once: start_server reports its command
+        pid, returncode = 0, 3
+
+        def __init__(self, cmd, **kwargs):
+            seen["cmd"] = cmd
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(server_load.subprocess, "Popen", ExitedServer)
+    with pytest.raises(SystemExit, match="status 3"):
+        server_load.start_server(server_load._parse(["--threads", "1"]), serial=False)
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--threads") + 1] == "1"
+    with pytest.raises(SystemExit, match="status 3"):
+        server_load.start_server(server_load._parse([]), serial=False)
+    assert "--threads" not in seen["cmd"]
+    with pytest.raises(SystemExit) as exc:
+        server_load._parse(["--threads", "0"])
+    assert exc.value.code == 2 and "--threads >= 1" in capsys.readouterr().err

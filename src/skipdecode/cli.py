@@ -31,6 +31,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     check_cohort_option,
     check_output_folder,
     check_quantize_option,
+    set_threads,
     command_line,
     err,
     fail,
@@ -432,9 +433,12 @@ def serve(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads for the model (default: torch's, one per core); "
+                                          "fewer than the cores leaves one for the HTTP layer and tokenizer."),
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
     check_quantize_option(quantize)
+    set_threads(threads)
     if not 0 < port < 65536:
         fail(f"--port must be in 1..65535, got {port}")
     check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")

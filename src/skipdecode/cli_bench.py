@@ -17,6 +17,7 @@ from .cli_common import (
     QUANTIZE_HELP,
     check_output_folder,
     check_quantize_option,
+    set_threads,
     command_line,
     err,
     fail,
@@ -52,8 +53,6 @@ def bench(
     llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add a batch-1 llama.cpp row decoding this GGUF file ('default': the embedded model's); needs the bench-llamacpp extra."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
-    import os
-
     from . import bench as B
 
     try:
@@ -67,8 +66,6 @@ def bench(
             fail(f"{name} must be >= {low}, got {value}")
     if horizon is not None and horizon < 1:
         fail(f"--horizon must be >= 1, got {horizon}")
-    if threads is not None and threads < 1:
-        fail(f"--threads must be >= 1, got {threads}")
     if bandwidth_gbs <= 0:
         fail(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
     prompts = B.DEFAULT_PROMPTS
@@ -84,9 +81,9 @@ def bench(
 
         if not torch.cuda.is_available():
             fail(f"--device {device}: CUDA is not available on this machine")
+    set_threads(threads, default_all_cores=True)
     import torch
 
-    torch.set_num_threads(threads if threads is not None else (os.cpu_count() or 1))
     check_quantize_option(quantize)
     if variants is not None and (quantize is not None or compile):
         fail("give either --variants or --quantize/--compile, not both")

@@ -131,6 +131,22 @@ def check_cohort_option(cohort_size: int, batch_size: int, batch_option: str) ->
         fail(f"--cohort-size must be in [1, {batch_option}={batch_size}], got {cohort_size}")
 
 
+def set_threads(threads, default_all_cores: bool = False) -> None:
+    """Exit 2 with a one-line error unless ``--threads`` is unset or >= 1, then apply it with
+    ``torch.set_num_threads`` (intra-op threads). Unset keeps torch's default, or uses every
+    core (``os.cpu_count()``) when ``default_all_cores``."""
+    if threads is not None and threads < 1:
+        fail(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif default_all_cores:
+        import os
+
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
 def check_quantize_option(quantize) -> None:
     """Exit 2 with a one-line error unless ``--quantize`` is unset, int8 or int4."""
     from .quantize import QUANTIZE_MODES
