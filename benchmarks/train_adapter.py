@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
+    ap.add_argument("--lora-format", default="float16", choices=("float16", "int8"),
+                    help="with --install: how the LoRA weights are stored (int8: a quarter of float32, skipdecode.packing)")
+    ap.add_argument("--bridge-format", default="int8", choices=("float16", "int8", "int4"),
+                    help="with --install: how the entry bridge is stored (int4: about a seventh of float32)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             from skipdecode.model import write_json_atomic
 
             write_json_atomic(meta_path, meta)
-        target = install_adapter(src)
+        target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format)
         print(dumps({"installed": _rel(target),
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0

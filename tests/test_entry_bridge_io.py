@@ -181,7 +181,7 @@ def test_a_skip_adapter_folder_brings_its_bridge(base_dir, adapter_dir, bridged_
     summary = on.skip_config["skip_adapter"]["entry_bridge"]
     size = (bridged_adapter_dir / ENTRY_BRIDGE_FILE).stat().st_size
     assert summary == {"file": ENTRY_BRIDGE_FILE, "source": 0, "targets": TARGETS, "hidden_size": 32,
-                       "dtype": "F32", "bytes": size, "megabytes": round(size / 1e6, 3)}
+                       "dtype": "float32", "bytes": size, "megabytes": round(size / 1e6, 3)}
     assert sa.adapter_summary(adapter_dir, shipped=False)["entry_bridge"] is None
     off = load(str(base_dir), adapter=False)
     assert entry_bridge_of(off.model) is None and off.entry_bridge_path is None
@@ -206,12 +206,12 @@ def test_install_adapter_keeps_the_bridge(base_dir, bridged_adapter_dir, tmp_pat
     want = EntryBridge.load(bridged_adapter_dir)
     got = EntryBridge.load(target)
     assert got.targets == want.targets and got.source == want.source
-    # stored per-row int8: each weight within half a step (row absmax / 254) of the original
-    step = want.weight.abs().amax(-1, keepdim=True) / 127
+    # stored per-row int8: each weight within half a step (row absmax / 127, rounded up to float16)
+    step = want.weight.abs().amax(-1, keepdim=True) / 127 * (1 + 2.0 ** -10)
     assert bool(((got.weight - want.weight).abs() <= step / 2 + 1e-7).all())
     assert not torch.equal(got.weight, want.weight)  # it really was rounded
     torch.testing.assert_close(got.bias, want.bias)  # the bias stays float32
-    assert sa.entry_bridge_summary(target)["dtype"] == "I8"
+    assert sa.entry_bridge_summary(target)["dtype"] == "int8"
     assert (target / ENTRY_BRIDGE_FILE).stat().st_size < 0.4 * (bridged_adapter_dir / ENTRY_BRIDGE_FILE).stat().st_size
     meta = json.loads((target / SKIP_CONFIG_NAME).read_text())
     assert meta["weights_sha256"][ENTRY_BRIDGE_FILE] == sha256_file(target / ENTRY_BRIDGE_FILE)
@@ -233,7 +233,7 @@ def test_cli_info_reports_the_bridge(base_dir, bridged_dir, bridged_adapter_dir,
     model_path, _ = bridged_dir
     got = _info("--model", str(model_path))["entry_bridge"]
     size = (model_path / ENTRY_BRIDGE_FILE).stat().st_size
-    assert got == {"file": ENTRY_BRIDGE_FILE, "source": 0, "targets": TARGETS, "hidden_size": 32, "dtype": "F32",
+    assert got == {"file": ENTRY_BRIDGE_FILE, "source": 0, "targets": TARGETS, "hidden_size": 32, "dtype": "float32",
                    "bytes": size, "megabytes": round(size / 1e6, 3), "path": str(model_path)}
     assert _info("--model", str(base_dir))["entry_bridge"] is None
     # a (pretend) shipped adapter with a bridge: reported in both places; --no-adapter drops it

@@ -96,40 +96,43 @@ class EntryBridge(nn.Module):
                 "hidden_size": int(self.weight.shape[-1]),
                 "reference": "Din et al. 2023, arXiv 2303.09435 (linear short-cuts); project extension"}
 
-    def save(self, directory: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    def save(self, directory: str | Path, dtype: torch.dtype | str = torch.float32) -> dict[str, Any]:
         """Write ``entry_bridge.safetensors`` into ``directory``; returns :meth:`meta`.
 
-        ``dtype`` float32, float16 or bfloat16 stores the weights in it; ``torch.int8`` stores
-        them symmetric per output row (``weight_int8`` (n, C, C) and ``weight_scale`` (n, C, 1),
-        float32, scale = row absmax / 127; a quarter of float32's bytes) and :meth:`load`
-        dequantizes them. The bias stays float32 for int8. Raises ValueError for another dtype.
+        ``dtype`` float32, float16 or bfloat16 (a torch dtype or its name) stores the weights in
+        it; ``torch.int8`` / ``"int8"`` stores them symmetric per output row and ``"int4"`` in
+        groups of 64 input channels (:mod:`skipdecode.packing`: a quarter and about a seventh of
+        float32's bytes); :meth:`load` dequantizes them. The bias stays float32 for int8 and int4.
+
+        Raises:
+            ValueError: another dtype or format.
         """
         from safetensors.torch import save_file
 
+        from .packing import PACK_FORMATS, pack
+
+        fmt = str(dtype).removeprefix("torch.")
+        if fmt not in PACK_FORMATS:
+            raise ValueError(f"entry bridge dtype must be one of {', '.join(PACK_FORMATS)}, got {dtype}")
         meta = self.meta()
-        w = self.weight.detach().to("cpu", torch.float32)
-        if dtype == torch.int8:
-            scale = (w.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
-            tensors = {"weight_int8": torch.round(w / scale).clamp(-127, 127).to(torch.int8).contiguous(),
-                       "weight_scale": scale.contiguous(), "bias": self.bias.detach().to("cpu", torch.float32)}
-        elif dtype in (torch.float32, torch.float16, torch.bfloat16):
-            tensors = {"weight": w.to(dtype).contiguous(), "bias": self.bias.detach().to("cpu", dtype).contiguous()}
-        else:
-            raise ValueError(f"entry bridge dtype must be float32, float16, bfloat16 or int8, got {dtype}")
-        save_file(tensors, str(Path(directory) / ENTRY_BRIDGE_FILE),
-                  metadata={"skipdecode_entry_bridge": json.dumps(meta)})
+        stored, packed_meta = pack({"weight": self.weight, "bias": self.bias}, fmt,
+                                   keep_float32=() if fmt in ("float16", "bfloat16") else ("bias",))
+        save_file(stored, str(Path(directory) / ENTRY_BRIDGE_FILE),
+                  metadata={"skipdecode_entry_bridge": json.dumps(meta), **packed_meta})
         return meta
 
     @classmethod
     def load(cls, directory: str | Path) -> "EntryBridge":
-        """Read ``entry_bridge.safetensors`` from ``directory`` (float32 in memory; int8 weights
-        are dequantized with their per-row scales).
+        """Read ``entry_bridge.safetensors`` from ``directory`` (float32 in memory; int8 and int4
+        weights are dequantized, :func:`skipdecode.packing.unpack`).
 
         Raises:
             FileNotFoundError: no bridge file there.
             ValueError: the file lacks its metadata or its shapes disagree with it.
         """
         from safetensors import safe_open
+
+        from .packing import unpack
 
         path = Path(directory) / ENTRY_BRIDGE_FILE
         if not path.is_file():
@@ -139,12 +142,14 @@ class EntryBridge(nn.Module):
             if raw is None:
                 raise ValueError(f"{path} has no skipdecode_entry_bridge metadata")
             meta = json.loads(raw)
-            names = set(f.keys())
-            if "weight_int8" in names:  # per-row int8 (save(dtype=torch.int8))
-                weight = f.get_tensor("weight_int8").float() * f.get_tensor("weight_scale").float()
-            else:
-                weight = f.get_tensor("weight")
-            bias = f.get_tensor("bias")
+            stored = {name: f.get_tensor(name) for name in f.keys()}
+            file_meta = f.metadata()
+        if "weight_int8" in stored:  # the int8 layout of skipdecode 0.x before skipdecode.packing
+            weight = stored["weight_int8"].float() * stored["weight_scale"].float()
+            bias = stored["bias"].float()
+        else:
+            tensors = unpack(stored, file_meta)
+            weight, bias = tensors["weight"], tensors["bias"]
         return cls(weight.shape[-1], meta["source"], meta["targets"], weight=weight, bias=bias)
 
 

@@ -30,12 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["LowRankLinear", "PrefillSwitch", "base_prefill", "has_decode_only_adapter", "read_lora", "attach_lora",
-           "LoraFormatError"]
+           "LoraFormatError", "LORA_WEIGHTS", "PACKED_LORA_WEIGHTS", "lora_weights_file", "read_lora_tensors"]
 
 #: attribute of the HF model that holds its decode-only adapter's :class:`PrefillSwitch`
 SWITCH_ATTR = "_skipdecode_prefill_switch"
 
 _PREFIX = "base_model.model."
+#: peft's weights file of a LoRA adapter folder
+LORA_WEIGHTS = "adapter_model.safetensors"
+#: the same tensors stored compactly (:mod:`skipdecode.packing`, e.g. int8), which peft cannot read
+PACKED_LORA_WEIGHTS = "adapter_model.packed.safetensors"
 #: adapter_config.json fields whose non-default values change what the adapter computes
 _UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
 
@@ -129,6 +133,38 @@ def _features(module: nn.Module) -> tuple[int, int]:
     raise LoraFormatError(f"cannot attach LoRA to a {type(module).__name__} (no in/out features)")
 
 
+def lora_weights_file(path: str | os.PathLike) -> Path | None:
+    """The weights file of the LoRA adapter folder ``path``: peft's :data:`LORA_WEIGHTS`, else
+    :data:`PACKED_LORA_WEIGHTS`, else None."""
+    for name in (LORA_WEIGHTS, PACKED_LORA_WEIGHTS):
+        if (Path(path) / name).is_file():
+            return Path(path) / name
+    return None
+
+
+def read_lora_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The float32 tensors (peft key names) of the adapter folder ``path``'s weights file, packed
+    ones dequantized (:func:`skipdecode.packing.unpack`).
+
+    Raises:
+        LoraFormatError: no weights file, or a file that cannot be read or unpacked (names it).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from .packing import unpack
+
+    weights = lora_weights_file(path)
+    if weights is None:
+        raise LoraFormatError(f"adapter {path}: needs {LORA_WEIGHTS} (or {PACKED_LORA_WEIGHTS})")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = {k: f.get_tensor(k) for k in f.keys()}
+            meta = f.metadata()
+        return unpack(stored, meta)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoraFormatError(f"adapter {weights}: cannot be read ({type(e).__name__}: {e})") from None
+
+
 def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     """The deltas of the peft LoRA adapter in folder ``path``.
 
@@ -137,16 +173,14 @@ def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Te
         B (out, r), scaling)}`` with float32 tensors.
 
     Raises:
-        LoraFormatError: no adapter_config.json / adapter_model.safetensors, not a LoRA adapter,
-            an option the unmerged path does not compute (DoRA, rank or alpha patterns, modules
-            to save), or a module with only one of its two matrices.
+        LoraFormatError: no adapter_config.json or weights file (:func:`lora_weights_file`), not a
+            LoRA adapter, an option the unmerged path does not compute (DoRA, rank or alpha
+            patterns, modules to save), or a module with only one of its two matrices.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
-    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise LoraFormatError(f"adapter {path}: needs adapter_config.json and adapter_model.safetensors")
+    cfg_file, weights = path / "adapter_config.json", lora_weights_file(path)
+    if not cfg_file.is_file() or weights is None:
+        raise LoraFormatError(f"adapter {path}: needs adapter_config.json and {LORA_WEIGHTS} (or {PACKED_LORA_WEIGHTS})")
     cfg = json.loads(cfg_file.read_text())
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise LoraFormatError(f"adapter {path}: peft_type is {cfg.get('peft_type')!r}, not LORA")
@@ -157,7 +191,7 @@ def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Te
     r = int(cfg["r"])
     alpha = float(cfg.get("lora_alpha", r))
     scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
-    tensors = load_file(str(weights))
+    tensors = read_lora_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         for part in ("lora_A", "lora_B"):

@@ -62,7 +62,9 @@ def shipped_adapter_for(model: str) -> Path | None:
     if model not in _SHIPPED:
         return None
     folder = SHIPPED_DIR / _SHIPPED[model]
-    return folder if (folder / _WEIGHTS).is_file() and (folder / _CONFIG).is_file() else None
+    from .lowrank import lora_weights_file
+
+    return folder if lora_weights_file(folder) is not None and (folder / _CONFIG).is_file() else None
 
 
 def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -91,7 +93,10 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
 
     Each adapted linear layer's weight ``W`` (out x in) becomes ``W + (alpha / r) * B @ A``
     (Hu et al. 2021, LoRA, eq. 3), computed in the model's dtype; adapter weights stored as
-    float16 are cast up first. Decoding afterwards costs exactly what the plain model costs.
+    float16 are cast up first. A packed adapter (:data:`skipdecode.lowrank.PACKED_LORA_WEIGHTS`,
+    e.g. int8, which peft cannot read) is dequantized (:func:`skipdecode.lowrank.read_lora`) and
+    merged by the same formula in float32. Decoding afterwards costs exactly what the plain model
+    costs.
 
     Returns:
         The plain HF model with the adapter merged (same object type as ``hf_model``), every
@@ -100,11 +105,16 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     Raises:
         AdapterError: the folder is not a LoRA adapter, or its shapes do not fit the model.
     """
-    from peft import PeftModel
+    from .lowrank import LORA_WEIGHTS, PACKED_LORA_WEIGHTS, lora_weights_file
 
     path = Path(path)
-    if not (path / _CONFIG).is_file() or not (path / _WEIGHTS).is_file():
-        raise AdapterError(f"adapter {path}: needs {_CONFIG} and {_WEIGHTS}")
+    weights = lora_weights_file(path)
+    if not (path / _CONFIG).is_file() or weights is None:
+        raise AdapterError(f"adapter {path}: needs {_CONFIG} and {LORA_WEIGHTS} (or {PACKED_LORA_WEIGHTS})")
+    if weights.name == PACKED_LORA_WEIGHTS:
+        return _merge_packed(hf_model, path)
+    from peft import PeftModel
+
     from .peft_compat import quiet_peft_checkpointing_warning
 
     try:
@@ -117,6 +127,30 @@ def merge_adapter(hf_model: Any, path: str | os.PathLike) -> Any:
     for param in merged.parameters():  # peft froze the base weights; a plain model trains them all
         param.requires_grad_(True)
     return merged
+
+
+def _merge_packed(hf_model: Any, path: Path) -> Any:
+    """``W += scaling * B @ A`` (float32, cast to W's dtype) for every module of the packed adapter
+    in ``path``; AdapterError (names the module) when one is missing or its shapes do not fit."""
+    import torch
+
+    from .lowrank import LoraFormatError, read_lora
+
+    try:
+        deltas = read_lora(path)
+    except LoraFormatError as e:
+        raise AdapterError(str(e)) from None
+    with torch.no_grad():
+        for name, (a, b, scaling) in deltas.items():
+            try:
+                weight = hf_model.get_submodule(name).weight
+            except AttributeError:
+                raise AdapterError(f"adapter {path} does not fit this model: it adapts {name}, which it lacks") from None
+            if tuple(weight.shape) != (b.shape[0], a.shape[1]) or a.shape[0] != b.shape[1]:
+                raise AdapterError(f"adapter {path} does not fit this model: {name} is {tuple(weight.shape)}, "
+                                   f"the adapter's B @ A is {(b.shape[0], a.shape[1])}")
+            weight.add_((scaling * (b @ a)).to(weight.device, weight.dtype))
+    return hf_model
 
 
 def is_decode_only(skip_config: dict[str, Any]) -> bool:
@@ -145,15 +179,24 @@ def entry_bridge_summary(path: str | os.PathLike) -> dict[str, Any] | None:
     from safetensors import SafetensorError, safe_open
 
     from .entry_bridge import ENTRY_BRIDGE_FILE
+    from .packing import PACKED_META
 
     f = Path(path) / ENTRY_BRIDGE_FILE
     if not f.is_file():
         return None
     try:
         with safe_open(str(f), framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {})["skipdecode_entry_bridge"])
-            weight = fh.get_slice("weight_int8" if "weight_int8" in fh.keys() else "weight")
-            shape, dtype = weight.get_shape(), weight.get_dtype()
+            file_meta = fh.metadata() or {}
+            meta = json.loads(file_meta["skipdecode_entry_bridge"])
+            names = set(fh.keys())
+            if "weight_int8" in names:  # the int8 layout before skipdecode.packing
+                shape, dtype = fh.get_slice("weight_int8").get_shape(), "int8"
+            elif PACKED_META in file_meta:
+                info = json.loads(file_meta[PACKED_META])["weight"]
+                shape, dtype = info["shape"], info["format"]
+            else:
+                weight = fh.get_slice("weight")
+                shape, dtype = weight.get_shape(), weight.get_dtype()
         targets = [int(t) for t in meta["targets"]]
         source = int(meta["source"])
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
@@ -193,28 +236,46 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
         "speedups": meta.get("speedups"),
         "training": meta.get("adapter", {}),
         "decode_only": is_decode_only(meta),
+        "storage": meta.get("storage", {"lora": "float16"} if shipped else None),
         "entry_bridge": entry_bridge_summary(path),
     }
 
 
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
-                    target_root: str | os.PathLike | None = None) -> Path:
+                    target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
+                    bridge_format: str = "int8") -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
-    data as a shipped skip adapter: ``adapter_config.json``, the weights as float16 safetensors
-    (half the bytes; they are cast back up when merged), an entry bridge when the run has one
-    (:mod:`skipdecode.entry_bridge`, per-row int8, a quarter of the bytes, dequantized at load)
-    and ``skipdecode.json`` (its training
-    losses and run-local paths dropped). Written to a temporary folder and renamed into place.
+    data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
+    an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
+    and ``skipdecode.json`` (its training losses and run-local paths dropped, the formats
+    recorded as ``storage``). Written to a temporary folder and renamed into place.
+
+    Args:
+        run_final: the run's final (or checkpoint) folder.
+        name: the shipped folder's name (a base model name of :func:`shipped_adapter_for`).
+        target_root: where to write (default :data:`SHIPPED_DIR`).
+        lora_format: ``"float16"`` (peft's own file, half of float32's bytes) or a packed format
+            of :mod:`skipdecode.packing` (``"int8"``: a quarter; written as
+            :data:`skipdecode.lowrank.PACKED_LORA_WEIGHTS`, dequantized when merged).
+        bridge_format: a format of :meth:`skipdecode.entry_bridge.EntryBridge.save` (``"int8"``,
+            ``"int4"``, ``"float16"``, ...).
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
 
     Raises:
         AdapterError: ``run_final`` is not a LoRA adapter folder.
+        ValueError: an unknown format.
     """
     import torch
     from safetensors.torch import load_file, save_file
 
+    from .lowrank import PACKED_LORA_WEIGHTS
+    from .packing import PACK_FORMATS, pack
+
+    for option, fmt in (("lora_format", lora_format), ("bridge_format", bridge_format)):
+        if fmt not in PACK_FORMATS:
+            raise ValueError(f"{option} must be one of {', '.join(PACK_FORMATS)}, got {fmt!r}")
     src = Path(run_final)
     if not (src / _WEIGHTS).is_file() or not (src / _CONFIG).is_file():
         raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
@@ -222,12 +283,18 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(str(src / _WEIGHTS)).items()}
-        save_file(tensors, str(tmp / _WEIGHTS), metadata={"format": "pt"})
+        tensors = load_file(str(src / _WEIGHTS))
+        if lora_format in ("float32", "float16", "bfloat16"):  # peft's own file, readable by peft
+            dtype = getattr(torch, lora_format)
+            save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS),
+                      metadata={"format": "pt"})
+        else:
+            stored, packed_meta = pack(tensors, lora_format)
+            save_file(stored, str(tmp / PACKED_LORA_WEIGHTS), metadata={"format": "pt", **packed_meta})
         from .entry_bridge import EntryBridge, entry_bridge_files
 
-        if entry_bridge_files(src):  # its entry bridge (skipdecode.entry_bridge), also as float16
-            EntryBridge.load(src).save(tmp, dtype=torch.int8)
+        if entry_bridge_files(src):  # its entry bridge (skipdecode.entry_bridge)
+            EntryBridge.load(src).save(tmp, dtype=bridge_format)
         from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
@@ -235,7 +302,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         meta = read_adapter_config(src)
         meta.pop("losses", None)
         meta["base_model"] = name
-        meta["weights_sha256"] = weight_checksums(tmp)  # of the float16 copy, not of the run's weights
+        meta["storage"] = {"lora": lora_format, "entry_bridge": bridge_format if entry_bridge_files(src) else None}
+        meta["weights_sha256"] = weight_checksums(tmp)  # of the stored copy, not of the run's weights
         if isinstance(meta.get("training"), dict):
             meta["training"].get("config", {}).pop("out_dir", None)
         (tmp / _SKIP).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
