@@ -154,15 +154,16 @@ def prefix_stats(url: str) -> dict | None:
 
 
 async def one_request(client, prompt: str, max_tokens: int, speedup: float,
-                      chat: bool = False, served_model: str = "bench") -> tuple[float, float, int]:
-    """(latency s, time to first token s, completion tokens) of one streamed request: a text
-    completion of ``prompt``, or with ``chat`` a chat completion of one user message ``prompt``."""
+                      chat: bool = False, served_model: str = "bench") -> tuple[float, float, int, dict]:
+    """(latency s, time to first token s, completion tokens, the server's ``usage.skipdecode``
+    statistics ({} without them)) of one streamed request: a text completion of ``prompt``, or
+    with ``chat`` a chat completion of one user message ``prompt``."""
     extra = {"speedup": speedup}  # always explicit: never the server's default policy
     common = dict(model=served_model, max_tokens=max_tokens, temperature=0, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra)
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    tokens, stats = 0, {}
     if chat:
         stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
     else:
@@ -173,8 +174,21 @@ async def one_request(client, prompt: str, max_tokens: int, speedup: float,
             first = time.perf_counter()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+            stats = (chunk.usage.model_extra or {}).get("skipdecode") or {}
     end = time.perf_counter()
-    return end - t0, (first or end) - t0, tokens
+    return end - t0, (first or end) - t0, tokens, stats
+
+
+def engine_means(stats: list[dict]) -> dict:
+    """Means over a cell's requests of the server's own statistics: ``step_ms`` (decode time per
+    decode step of a request, ms), ``prefill_s`` (its prefill, s), ``theoretical_speedup`` and
+    ``batch_rows`` (rows sharing its steps); None where no request reported one."""
+    def mean(key: str, scale: float = 1.0):
+        vals = [s[key] * scale for s in stats if isinstance(s.get(key), (int, float))]
+        return float(np.mean(vals)) if vals else None
+
+    return {"step_ms": mean("step_seconds", 1000.0), "prefill_s": mean("prefill_seconds"),
+            "theoretical_speedup": mean("theoretical_speedup"), "batch_rows": mean("mean_batch_rows")}
 
 
 def cell_size(clients: int, per_client: int = 2) -> int:
@@ -198,7 +212,8 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
     The cell uses prompts ``texts[offset : offset + cell_size(clients, per_client)]`` (cyclically),
     the last ``clients`` for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
     what prompts really share. Returns requests/s, tokens/s (from the server's ``usage``),
-    tokens per request and p50/p95 latency and time to first token (seconds)."""
+    tokens per request, p50/p95 latency and time to first token (seconds) and the server's own
+    per-request means (:func:`engine_means`)."""
     from openai import AsyncOpenAI
 
     queue, warm = cell_prompts(texts, clients, offset, per_client)
@@ -207,7 +222,7 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
         # warm-up, untimed: one round of `clients` concurrent requests at the cell's settings, so
         # that a fresh server has run this batch size and this policy before the clock starts
         await asyncio.gather(*(one_request(client, w, max_tokens, speedup, chat, served_model) for w in warm))
-        results: list[tuple[float, float, int]] = []
+        results: list[tuple[float, float, int, dict]] = []
 
         async def worker(k: int) -> None:
             for prompt in queue[k::clients]:
@@ -225,19 +240,47 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
         "completion_tokens": tokens, "tokens_per_request": tokens / total,
         "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95)),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
+        **engine_means([r[3] for r in results]),
     }
 
 
 def table(rows: list[dict]) -> str:
     head = ("| mode | clients | speedup | req/s | tok/s | tokens/req | p50 latency s | p95 latency s | "
-            "p50 TTFT s | p95 TTFT s |")
-    lines = [head, "|" + "---|" * 10]
+            "p50 TTFT s | p95 TTFT s | step ms | theor. |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         per_req = r.get("tokens_per_request", r["completion_tokens"] / r["requests"])
+        step = f"{r['step_ms']:.0f}" if r.get("step_ms") is not None else ""
+        theo = f"{r['theoretical_speedup']:.2f}x" if r.get("theoretical_speedup") is not None else ""
         lines.append(f"| {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
                      f"{r['tokens_per_second']:.1f} | {per_req:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
-                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} |")
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {step} | {theo} |")
     return "\n".join(lines)
+
+
+def pairs(rows: list[dict]) -> list[dict]:
+    """Per client count with in-flight full-depth and 2x cells: the 2x/full requests/s, the
+    decode-step speedup (full step ms / 2x step ms, from the server's statistics) and
+    ``ceiling_at_theoretical_steps``, the 2x/full latency ratio the full cell's own timings
+    would give if its decode part (p50 latency - p50 TTFT) ran the theoretical speedup faster
+    while its prefill (TTFT, full depth in both, METHOD.md) stayed: ``lat / (ttft + (lat - ttft) / theor.)``
+    (Amdahl's law). Where the measured ratio is far below it, decode steps lose; where the ceiling
+    itself is low, the full-depth prefill dominates the request."""
+    out = []
+    for clients in sorted({r["clients"] for r in rows}):
+        full = next((r for r in rows if r["mode"] == "inflight" and r["clients"] == clients and r["speedup"] == 1.0), None)
+        two = next((r for r in rows if r["mode"] == "inflight" and r["clients"] == clients and r["speedup"] == 2.0), None)
+        if full is None or two is None:
+            continue
+        theo, lat, ttft = two.get("theoretical_speedup"), full["latency_p50"], full["ttft_p50"]
+        out.append({
+            "clients": clients,
+            "requests_per_second_ratio": two["requests_per_second"] / full["requests_per_second"],
+            "step_speedup": full["step_ms"] / two["step_ms"] if full.get("step_ms") and two.get("step_ms") else None,
+            "theoretical_speedup": theo,
+            "ceiling_at_theoretical_steps": lat / (ttft + (lat - ttft) / theo) if theo else None,
+        })
+    return out
 
 
 def targets(rows: list[dict]) -> dict:
@@ -333,13 +376,17 @@ def main(argv: list[str] | None = None) -> None:
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
         "cohort_size": args.cohort_size, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
-        "dtype": args.dtype, "rows": rows, "targets": targets(rows),
+        "dtype": args.dtype, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
     path.write_text(dumps(result, indent=2) + "\n")
     plot(result, path.with_suffix(".png"))
     print(table(rows))
+    for p in result["pairs"]:
+        print(f"{p['clients']} clients: 2x/full {p['requests_per_second_ratio']:.2f}x requests/s; decode steps "
+              f"{p['step_speedup'] or float('nan'):.2f}x of theoretical {p['theoretical_speedup'] or float('nan'):.2f}x; "
+              f"ceiling with theoretical steps {p['ceiling_at_theoretical_steps'] or float('nan'):.2f}x")
     print(dumps(result))
 
 

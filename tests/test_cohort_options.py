@@ -165,6 +165,9 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
             assert row["requests"] == 8 and 0 < row["completion_tokens"] <= 8 * 3
             assert row["tokens_per_request"] == row["completion_tokens"] / 8
             assert 0 < row["ttft_p50"] <= row["latency_p50"]
+            # the server's own statistics, averaged over the cell's requests
+            assert row["step_ms"] > 0 and 0 < row["prefill_s"] < row["latency_p50"] and row["batch_rows"] >= 1
+            assert row["theoretical_speedup"] >= 1
         served = health(url)["scheduler"]["generated_tokens"] - before["generated_tokens"]
         warm_up = served - sum(row["completion_tokens"] for row in rows.values())
         # per cell one untimed warm-up round of 2 clients x at most 3 tokens, nothing else
@@ -200,3 +203,24 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--threads", "0"])
     assert exc.value.code == 2 and "--threads >= 1" in capsys.readouterr().err
+
+
+def test_server_load_pairs_report_the_amdahl_ceiling_of_a_full_depth_prefill():
+    from test_recipe_study import load_script
+
+    server_load = load_script("server_load")
+
+    def row(speedup, rps, lat, ttft, step_ms, theo):
+        return {"mode": "inflight", "clients": 16, "speedup": speedup, "requests_per_second": rps,
+                "latency_p50": lat, "ttft_p50": ttft, "step_ms": step_ms, "theoretical_speedup": theo,
+                "tokens_per_second": 32 * rps, "tokens_per_request": 32.0, "completion_tokens": 256, "requests": 8, "latency_p95": lat, "ttft_p95": ttft}
+
+    rows = [row(1.0, 1.0, 12.0, 4.0, 250.0, 1.0), row(2.0, 1.2, 10.0, 4.0, 200.0, 2.0),
+            {**row(2.0, 9.0, 1.0, 0.1, 1.0, 2.0), "mode": "serial"}]  # other modes are not paired
+    (pair,) = server_load.pairs(rows)
+    assert pair["clients"] == 16 and pair["requests_per_second_ratio"] == pytest.approx(1.2)
+    assert pair["step_speedup"] == pytest.approx(1.25)
+    # 12 s = 4 s prefill + 8 s decode; decode at 2x: 4 + 4 = 8 s -> 12 / 8
+    assert pair["ceiling_at_theoretical_steps"] == pytest.approx(1.5)
+    assert server_load.pairs(rows[1:]) == []  # no full-depth cell: nothing to pair
+    assert "| 250 | 1.00x |" in server_load.table(rows[:1])
