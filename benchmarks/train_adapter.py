@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --install: how the LoRA weights are stored (int8: a quarter of float32, skipdecode.packing)")
     ap.add_argument("--bridge-format", default="int8", choices=("float16", "int8", "int4"),
                     help="with --install: how the entry bridge is stored (int4: about a seventh of float32)")
+    ap.add_argument("--bridge-targets", default=None, metavar="FIRST-LAST",
+                    help="with --install: ship only the entry bridge's maps of these entry layers (e.g. 10-29: "
+                         "those the 2x, 3x and 5x schedules jump to); default all")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
@@ -137,7 +140,18 @@ def main(argv: list[str] | None = None) -> int:
             from skipdecode.model import write_json_atomic
 
             write_json_atomic(meta_path, meta)
-        target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format)
+        targets = None
+        if args.bridge_targets:
+            try:
+                first, last = (int(x) for x in args.bridge_targets.split("-"))
+            except ValueError:
+                raise SystemExit(f"error: --bridge-targets takes FIRST-LAST layers, e.g. 10-29; got {args.bridge_targets!r}")
+            targets = range(first, last + 1)
+        try:
+            target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
+                                     bridge_targets=targets)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
         print(dumps({"installed": _rel(target),
                           "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
         return 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from test_entry_bridge_io import bridged_adapter_dir  # noqa: F401  (fixture)
 from test_skip_adapter import _lora_dir, adapter_dir, base_dir  # noqa: F401  (fixtures)
 from skipdecode import LoadError, load
 from skipdecode import skip_adapter as sa
@@ -145,7 +146,9 @@ def test_an_int8_install_merges_its_dequantized_deltas(base_dir, adapter_dir, tm
     target = sa.install_adapter(adapter_dir, name="tiny", target_root=tmp_path, lora_format="int8")
     assert (target / PACKED_LORA_WEIGHTS).is_file() and not (target / LORA_WEIGHTS).exists()
     meta = json.loads((target / "skipdecode.json").read_text())
-    assert meta["storage"] == {"lora": "int8", "entry_bridge": None}
+    modules = sum(".lora_B." in k for k in load_file(str(adapter_dir / LORA_WEIGHTS)))
+    assert meta["storage"] == {"lora": "int8", "lora_modules": {"kept": modules, "zero_left_out": 0},
+                               "entry_bridge": None}
     assert sa.adapter_summary(target, shipped=False)["storage"] == meta["storage"]
     plain = _layer_weights(load(str(base_dir), adapter=False))
     merged = load(str(base_dir), adapter=str(target))
@@ -180,3 +183,65 @@ def test_install_refuses_an_unknown_format(adapter_dir, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="bridge_format must be one of"):
         sa.install_adapter(adapter_dir, name="tiny", target_root=tmp_path, bridge_format="fp8")
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_packed_install_leaves_out_modules_whose_delta_is_zero(base_dir, adapter_dir, tmp_path):  # noqa: F811
+    """A decode-only 2x adapter never trains the layers its schedule skips: their B stays zero, so
+    B A is exactly zero and the packed file can leave them out; the merge is unchanged."""
+    src = tmp_path / "partly_zero"
+    src.mkdir()
+    for name in ("adapter_config.json", "skipdecode.json"):
+        (src / name).write_text((adapter_dir / name).read_text())
+    tensors = load_file(str(adapter_dir / LORA_WEIGHTS))
+    zeroed = [k for k in tensors if ".layers.0." in k and ".lora_B." in k]
+    assert zeroed
+    for k in zeroed:
+        tensors[k] = torch.zeros_like(tensors[k])
+    save_file(tensors, str(src / LORA_WEIGHTS))
+    target = sa.install_adapter(src, name="tiny", target_root=tmp_path / "out", lora_format="int8")
+    stored = load_file(str(target / PACKED_LORA_WEIGHTS))
+    assert not any(".layers.0." in k for k in stored) and any(".layers.1." in k for k in stored)
+    storage = json.loads((target / "skipdecode.json").read_text())["storage"]
+    assert storage["lora_modules"]["zero_left_out"] == len(zeroed)
+    plain = _layer_weights(load(str(base_dir), adapter=False))
+    full = _layer_weights(load(str(base_dir), adapter=str(src)))  # peft, every module
+    got = _layer_weights(load(str(base_dir), adapter=str(target)))
+    for k in got:
+        if ".layers.0." in k:
+            assert torch.equal(got[k], plain[k]) and torch.allclose(full[k], plain[k])
+        elif not torch.equal(full[k], plain[k]):
+            assert not torch.equal(got[k], plain[k]), k  # adapted layers stay adapted
+
+
+def test_install_keeps_the_chosen_bridge_targets_in_int4(base_dir, bridged_adapter_dir, tmp_path):  # noqa: F811
+    from skipdecode.entry_bridge import EntryBridge, entry_bridge_of
+
+    want = EntryBridge.load(bridged_adapter_dir)
+    keep = want.targets[1::2]
+    target = sa.install_adapter(bridged_adapter_dir, name="tiny", target_root=tmp_path, lora_format="int8",
+                                bridge_format="int4", bridge_targets=keep)
+    got = EntryBridge.load(target)
+    assert got.targets == keep and got.source == want.source
+    rows = [want.targets.index(t) for t in keep]
+    ref = want.weight.detach()[rows]
+    # int4 in groups of gcd(C, 64) = 32 input channels: the whole row of this 32-wide model
+    err = (got.weight - ref).abs().amax()
+    assert 0 < err <= (ref.amax(-1) - ref.amin(-1)).amax() / 15 / 2 * 1.01
+    storage = json.loads((target / "skipdecode.json").read_text())["storage"]
+    assert storage["entry_bridge"] == "int4" and storage["entry_bridge_targets"] == keep
+    assert sa.entry_bridge_summary(target)["dtype"] == "int4"
+    loaded = entry_bridge_of(load(str(base_dir), adapter=str(target)).model)
+    assert loaded.targets == keep
+
+
+def test_entry_bridge_subset():
+    from skipdecode.entry_bridge import EntryBridge
+
+    bridge = EntryBridge(8, 0, [2, 3, 4, 5], weight=torch.randn(4, 8, 8), bias=torch.randn(4, 8))
+    sub = bridge.subset([5, 3])
+    assert sub.targets == [3, 5] and torch.equal(sub.weight.detach()[1], bridge.weight.detach()[3])
+    assert torch.equal(sub.bias.detach()[0], bridge.bias.detach()[1])
+    assert sub.has(3) and not sub.has(2)
+    for bad in ([1, 3], []):
+        with pytest.raises(ValueError, match="subset of"):
+            bridge.subset(bad)

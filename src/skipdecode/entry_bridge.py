@@ -24,6 +24,7 @@ holds as before, since the bridge only changes the input of a layer that runs.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -90,6 +91,21 @@ class EntryBridge(nn.Module):
         out = torch.nn.functional.linear(hidden.to(w.dtype), w, b)
         return out.to(hidden.dtype)
 
+    def subset(self, targets: Iterable[int]) -> "EntryBridge":
+        """A new bridge with the maps of ``targets`` only (a jump to another entry layer then stays
+        the identity of METHOD.md), e.g. to ship only the entry layers a schedule reaches.
+
+        Raises:
+            ValueError: a target this bridge has no map for, or no target.
+        """
+        keep = sorted({int(t) for t in targets})
+        missing = [t for t in keep if t not in self._index]
+        if missing or not keep:
+            raise ValueError(f"entry bridge targets must be a non-empty subset of {self.targets}, got {keep}")
+        rows = torch.tensor([self._index[t] for t in keep])
+        return EntryBridge(self.weight.shape[-1], self.source, keep, weight=self.weight.detach()[rows],
+                           bias=self.bias.detach()[rows])
+
     def meta(self) -> dict[str, Any]:
         """The JSON description stored beside the weights (``skipdecode.json`` ``entry_bridge``)."""
         return {"source": self.source, "targets": list(self.targets), "file": ENTRY_BRIDGE_FILE,
@@ -101,8 +117,8 @@ class EntryBridge(nn.Module):
 
         ``dtype`` float32, float16 or bfloat16 (a torch dtype or its name) stores the weights in
         it; ``torch.int8`` / ``"int8"`` stores them symmetric per output row and ``"int4"`` in
-        groups of 64 input channels (:mod:`skipdecode.packing`: a quarter and about a seventh of
-        float32's bytes); :meth:`load` dequantizes them. The bias stays float32 for int8 and int4.
+        groups of gcd(C, 64) input channels (:mod:`skipdecode.packing`: a quarter and, at 64,
+        about a seventh of float32's bytes); :meth:`load` dequantizes them. The bias stays float32 for int8 and int4.
 
         Raises:
             ValueError: another dtype or format.
@@ -116,6 +132,7 @@ class EntryBridge(nn.Module):
             raise ValueError(f"entry bridge dtype must be one of {', '.join(PACK_FORMATS)}, got {dtype}")
         meta = self.meta()
         stored, packed_meta = pack({"weight": self.weight, "bias": self.bias}, fmt,
+                                   group_size=math.gcd(int(self.weight.shape[-1]), 64),
                                    keep_float32=() if fmt in ("float16", "bfloat16") else ("bias",))
         save_file(stored, str(Path(directory) / ENTRY_BRIDGE_FILE),
                   metadata={"skipdecode_entry_bridge": json.dumps(meta), **packed_meta})

@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 __all__ = [
     "SHIPPED_DIR",
@@ -241,9 +241,20 @@ def adapter_summary(path: str | os.PathLike, *, shipped: bool) -> dict[str, Any]
     }
 
 
+def _nonzero_lora(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (a peft LoRA state dict) without the lora_A/lora_B pairs whose lora_B is all
+    zeros; tensors that are not such a pair are kept. When every pair is zero all are kept, so that
+    the file still names the adapter's modules."""
+    zero = {k.split(".lora_B.")[0] for k, v in tensors.items() if ".lora_B." in k and not bool(v.any())}
+    if len(zero) == sum(".lora_B." in k for k in tensors):
+        return dict(tensors)
+    return {k: v for k, v in tensors.items()
+            if not any(k.startswith(m + ".lora_A.") or k.startswith(m + ".lora_B.") for m in zero)}
+
+
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
-                    bridge_format: str = "int8") -> Path:
+                    bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
     data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
     an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
@@ -256,9 +267,12 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         target_root: where to write (default :data:`SHIPPED_DIR`).
         lora_format: ``"float16"`` (peft's own file, half of float32's bytes) or a packed format
             of :mod:`skipdecode.packing` (``"int8"``: a quarter; written as
-            :data:`skipdecode.lowrank.PACKED_LORA_WEIGHTS`, dequantized when merged).
+            :data:`skipdecode.lowrank.PACKED_LORA_WEIGHTS`, dequantized when merged). A packed
+            file leaves out the modules whose ``lora_B`` is all zeros (their delta ``B A`` is
+            exactly zero, e.g. layers a decode-only 2x adapter never runs).
         bridge_format: a format of :meth:`skipdecode.entry_bridge.EntryBridge.save` (``"int8"``,
             ``"int4"``, ``"float16"``, ...).
+        bridge_targets: keep only these entry layers' maps (:meth:`EntryBridge.subset`; None: all).
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
@@ -284,17 +298,26 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         tensors = load_file(str(src / _WEIGHTS))
+        storage: dict[str, Any] = {"lora": lora_format}
         if lora_format in ("float32", "float16", "bfloat16"):  # peft's own file, readable by peft
             dtype = getattr(torch, lora_format)
             save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / _WEIGHTS),
                       metadata={"format": "pt"})
         else:
-            stored, packed_meta = pack(tensors, lora_format)
+            kept = _nonzero_lora(tensors)
+            storage["lora_modules"] = {"kept": len(kept) // 2, "zero_left_out": (len(tensors) - len(kept)) // 2}
+            stored, packed_meta = pack(kept, lora_format)
             save_file(stored, str(tmp / PACKED_LORA_WEIGHTS), metadata={"format": "pt", **packed_meta})
         from .entry_bridge import EntryBridge, entry_bridge_files
 
+        storage["entry_bridge"] = None
         if entry_bridge_files(src):  # its entry bridge (skipdecode.entry_bridge)
-            EntryBridge.load(src).save(tmp, dtype=bridge_format)
+            bridge = EntryBridge.load(src)
+            if bridge_targets is not None:
+                bridge = bridge.subset(bridge_targets)
+            bridge.save(tmp, dtype=bridge_format)
+            storage["entry_bridge"] = bridge_format
+            storage["entry_bridge_targets"] = bridge.targets
         from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
@@ -302,7 +325,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         meta = read_adapter_config(src)
         meta.pop("losses", None)
         meta["base_model"] = name
-        meta["storage"] = {"lora": lora_format, "entry_bridge": bridge_format if entry_bridge_files(src) else None}
+        meta["storage"] = storage
         meta["weights_sha256"] = weight_checksums(tmp)  # of the stored copy, not of the run's weights
         if isinstance(meta.get("training"), dict):
             meta["training"].get("config", {}).pop("out_dir", None)
