@@ -189,8 +189,9 @@ def test_embedded_model_ships_its_2x_adapter():
     schedule as the default policy, absent with adapter=False."""
     folder = sa.shipped_adapter_for("smollm2-135m-instruct")
     assert folder is not None, "the package data skip_adapters/smollm2-135m-instruct is missing"
-    assert sum(f.stat().st_size for f in folder.iterdir()) < 20_000_000  # LoRA 9.8 MB + int8 entry bridge 9.3 MB
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 8_000_000  # int8 LoRA 3.8 MB + int4 entry bridge 3.8 MB
     meta = json.loads((folder / "skipdecode.json").read_text())
+    assert meta["storage"]["lora"] == "int8" and meta["storage"]["entry_bridge"] == "int4"
     for key in ("command", "minutes", "prompt_set"):
         assert key in meta["adapter"], key
     threads = torch.get_num_threads()
@@ -213,3 +214,5 @@ def test_embedded_model_ships_its_2x_adapter():
     bridge = entry_bridge_of(adapted.model)
     assert bridge is not None and bridge.source == 0 and bridge.has(10) and bridge.has(22)
     assert entry_bridge_of(stock.model) is None
+    # layers 1-9 (never run by a 2x decode step) carry no delta: stock weights there
+    assert torch.equal(adapted.model.model.layers[5].mlp.down_proj.weight, stock.model.model.layers[5].mlp.down_proj.weight)
