@@ -89,9 +89,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         p.error("--clients and --speedups take comma-separated numbers")
     args.modes = args.modes.split(",")
-    if (not set(args.modes) <= {"inflight", "serial"} or min(args.clients) < 1 or args.max_tokens < 1
-            or args.requests_per_client < 1 or (args.threads is not None and args.threads < 1)):
-        p.error("--modes: inflight,serial; --clients >= 1; --max-tokens >= 1; --requests-per-client >= 1; --threads >= 1")
+    checks = [("--modes", ",".join(args.modes), "inflight and/or serial", set(args.modes) <= {"inflight", "serial"}),
+              ("--clients", ",".join(map(str, args.clients)), ">= 1", min(args.clients) >= 1),
+              ("--max-tokens", args.max_tokens, ">= 1", args.max_tokens >= 1),
+              ("--requests-per-client", args.requests_per_client, ">= 1", args.requests_per_client >= 1),
+              ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1)]
+    for option, value, allowed, ok in checks:
+        if not ok:
+            p.error(f"{option} must be {allowed}, got {value}")
     if not 1 <= args.cohort_size <= args.max_batch_size:
         p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args

@@ -40,6 +40,17 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def _layer_range(text: str) -> range:
+    """``"FIRST-LAST"`` (layers, inclusive) as a range; argparse reports a ValueError as a bad value."""
+    try:
+        first, last = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes FIRST-LAST layers, e.g. 10-29; got {text!r}") from None
+    if not 0 <= first <= last:
+        raise argparse.ArgumentTypeError(f"needs 0 <= FIRST <= LAST; got {text!r}")
+    return range(first, last + 1)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's settings (defaults: the shipped run)."""
     ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.")
@@ -78,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --install: how the LoRA weights are stored (int8: a quarter of float32, skipdecode.packing)")
     ap.add_argument("--bridge-format", default="int8", choices=("float16", "int8", "int4"),
                     help="with --install: how the entry bridge is stored (int4: about a seventh of float32)")
-    ap.add_argument("--bridge-targets", default=None, metavar="FIRST-LAST",
+    ap.add_argument("--bridge-targets", default=None, metavar="FIRST-LAST", type=_layer_range,
                     help="with --install: ship only the entry bridge's maps of these entry layers (e.g. 10-29: "
                          "those the 2x, 3x and 5x schedules jump to); default all")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
@@ -128,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
 
         src = Path(args.install_from) if args.install_from else out / "final"
         meta_path = src / "skipdecode.json"
+        if not meta_path.is_file():
+            raise SystemExit(f"error: --install: {_rel(src)} holds no skipdecode.json (a finished run's final/ "
+                             "or a checkpoint; see --out and --install-from)")
         meta = json.loads(meta_path.read_text())
         if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
             record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
@@ -140,16 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             from skipdecode.model import write_json_atomic
 
             write_json_atomic(meta_path, meta)
-        targets = None
-        if args.bridge_targets:
-            try:
-                first, last = (int(x) for x in args.bridge_targets.split("-"))
-            except ValueError:
-                raise SystemExit(f"error: --bridge-targets takes FIRST-LAST layers, e.g. 10-29; got {args.bridge_targets!r}")
-            targets = range(first, last + 1)
         try:
             target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
-                                     bridge_targets=targets)
+                                     bridge_targets=args.bridge_targets)
         except ValueError as e:
             raise SystemExit(f"error: {e}")
         print(dumps({"installed": _rel(target),

@@ -202,7 +202,7 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     assert "--threads" not in seen["cmd"]
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--threads", "0"])
-    assert exc.value.code == 2 and "--threads >= 1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_server_load_pairs_report_the_amdahl_ceiling_of_a_full_depth_prefill():

@@ -245,3 +245,20 @@ def test_entry_bridge_subset():
     for bad in ([1, 3], []):
         with pytest.raises(ValueError, match="subset of"):
             bridge.subset(bad)
+
+
+def test_train_adapter_install_options_fail_in_one_line(tmp_path, capsys):
+    """--bridge-targets is checked by the parser (before any file is read); a run folder without
+    skipdecode.json is one error line naming it, not a traceback."""
+    from test_recipe_study import load_script
+
+    script = load_script("train_adapter")
+    assert script.parse_args(["--bridge-targets", "10-29"]).bridge_targets == range(10, 30)
+    for bad in ("10to29", "29-10"):
+        with pytest.raises(SystemExit) as exc:
+            script.parse_args(["--install", "--bridge-targets", bad])
+        assert exc.value.code == 2 and "--bridge-targets" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--install", "--out", str(tmp_path / "no_run")])
+    message = str(exc.value.code)
+    assert message.startswith("error: --install:") and "skipdecode.json" in message and "\n" not in message
