@@ -229,6 +229,7 @@ def test_install_keeps_the_chosen_bridge_targets_in_int4(base_dir, bridged_adapt
     assert 0 < err <= (ref.amax(-1) - ref.amin(-1)).amax() / 15 / 2 * 1.01
     storage = json.loads((target / "skipdecode.json").read_text())["storage"]
     assert storage["entry_bridge"] == "int4" and storage["entry_bridge_targets"] == keep
+    assert json.loads((target / "skipdecode.json").read_text())["entry_bridge"]["targets"] == keep
     assert sa.entry_bridge_summary(target)["dtype"] == "int4"
     loaded = entry_bridge_of(load(str(base_dir), adapter=str(target)).model)
     assert loaded.targets == keep

@@ -318,6 +318,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
             bridge.save(tmp, dtype=bridge_format)
             storage["entry_bridge"] = bridge_format
             storage["entry_bridge_targets"] = bridge.targets
+            shipped_bridge = bridge.meta()  # what the stored file holds (the run's may list more targets)
         from .skip_config import weight_checksums
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
@@ -326,6 +327,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         meta.pop("losses", None)
         meta["base_model"] = name
         meta["storage"] = storage
+        if storage["entry_bridge"] is not None:
+            meta["entry_bridge"] = shipped_bridge
         meta["weights_sha256"] = weight_checksums(tmp)  # of the stored copy, not of the run's weights
         if isinstance(meta.get("training"), dict):
             meta["training"].get("config", {}).pop("out_dir", None)
