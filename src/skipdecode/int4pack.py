@@ -161,6 +161,17 @@ def kernel_unusable(out_features: int, in_features: int, group_size: int, device
     return ""
 
 
+def nibble_pack(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) uint8 in [0, 15], K even -> (N, K // 2) uint8, two codes per byte, the low
+    nibble holding the even input channel (this project's own, CPU-independent layout)."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def nibble_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`nibble_pack`: (N, K // 2) uint8 -> codes (N, K) uint8."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """codes (N, K) uint8 in [0, 15] -> (N, K // 2) uint8 in the kernel's layout for this CPU.
 

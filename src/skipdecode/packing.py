@@ -24,7 +24,6 @@ is a plain safetensors file and :func:`unpack` returns its tensors as float32.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Collection
 
 import torch
@@ -41,8 +40,8 @@ _FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    w = t.detach().to("cpu", torch.float32)
-    return w.reshape(1, -1) if w.ndim < 2 else w.reshape(math.prod(w.shape[:-1]), w.shape[-1])
+    """``t`` (..., K), at least two dimensions, as float32 rows (prod(...), K) on the CPU."""
+    return t.detach().to("cpu", torch.float32).reshape(-1, t.shape[-1])
 
 
 def pack(tensors: dict[str, torch.Tensor], fmt: str, group_size: int = 64,
@@ -87,7 +86,7 @@ def pack(tensors: dict[str, torch.Tensor], fmt: str, group_size: int = 64,
                 raise ValueError(f"int4 packing of {name}: last dimension {w.shape[-1]} is not a multiple of "
                                  f"group_size {group_size}")
             codes, sz = int4pack.quantize_groups(w, group_size)
-            stored[name + ".int4"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+            stored[name + ".int4"] = int4pack.nibble_pack(codes)
             stored[name + ".int4_sz"] = sz
         index[name] = {"format": kind, "shape": shape, "group_size": group_size if kind == "int4" else None}
     return stored, {PACKED_META: json.dumps(index, sort_keys=True)}
@@ -115,9 +114,7 @@ def unpack(stored: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> 
             elif kind == "int8":
                 w = stored[name + ".int8"].float() * stored[name + ".scale"].float()
             elif kind == "int4":
-                packed = stored[name + ".int4"]
-                codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-                w = int4pack.dequantize(codes, stored[name + ".int4_sz"])
+                w = int4pack.dequantize(int4pack.nibble_unpack(stored[name + ".int4"]), stored[name + ".int4_sz"])
             else:
                 raise ValueError(f"tensor {name}: unknown packed format {kind!r}")
             out[name] = w.reshape(shape)

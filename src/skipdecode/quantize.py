@@ -228,7 +228,7 @@ class Int4Linear(_QuantLinear):
         if self.kernel:
             self.register_buffer("weight_int4pack", packed)
         else:
-            self.register_buffer("weight_int4", (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous())
+            self.register_buffer("weight_int4", int4pack.nibble_pack(codes))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(weight.device))
 
     #: compile mode "kernels" routes decode steps through the fused compiled function only for
@@ -242,8 +242,7 @@ class Int4Linear(_QuantLinear):
         """The int4 codes ``q`` (N, K) uint8 in [0, 15] (read back through the kernel if packed)."""
         if self.kernel:
             return int4pack.unpack_codes(self.weight_int4pack, self.group_size, self.out_features, self.in_features)
-        packed = self.weight_int4
-        return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(self.out_features, self.in_features)
+        return int4pack.nibble_unpack(self.weight_int4)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the layer computes with, ``(q - 8) * s + z``: (N, K) float32."""
@@ -277,7 +276,7 @@ def _fused_int4(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.T
     ``W' = (q - 8) s + z``, as one broadcast multiply-and-sum for inductor to fuse."""
     G, N = scales_and_zeros.shape[:2]
     K = x.shape[1]
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(N, G, K // G).to(x.dtype)
+    q = int4pack.nibble_unpack(packed).reshape(N, G, K // G).to(x.dtype)
     sz = scales_and_zeros.to(x.dtype).transpose(0, 1)  # (N, G, 2)
     w = (q - 8) * sz[..., 0:1] + sz[..., 1:2]
     return (x.reshape(x.shape[0], 1, G, K // G) * w[None]).sum((-1, -2))
