@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(TrainConfig.entry_bridge; a project extension, docs/entry-bridge.md)")
     ap.add_argument("--entry-bridge-lr", type=float, default=None,
                     help="train the entry bridge too, at this learning rate (default: it stays as fitted)")
+    ap.add_argument("--on-policy", type=float, default=0.0,
+                    help="share of each batch's rows answered by the student itself under the schedule, with the "
+                         "teacher's choices as targets (TrainConfig.on_policy; on-policy distillation)")
+    ap.add_argument("--init-adapter", default=None,
+                    help="start the LoRA and the entry bridge from this adapter folder (TrainConfig.init_adapter; "
+                         "e.g. a copy of the shipped adapter) instead of a fresh LoRA and a bridge fit")
+    ap.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps of learning-rate warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
@@ -125,11 +132,28 @@ def _adapter_record(command: str, minutes: float, train_rows: list[dict], heldou
     }
 
 
+def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[float, ...]):
+    """The run's :class:`skipdecode.train.TrainConfig` (raises its TrainConfigError on a bad value)."""
+    return config_cls(
+        out_dir=str(out), speedups=speedups if len(speedups) > 1 else None,
+        speedup=speedups[0] if len(speedups) == 1 else None, horizon=args.horizon,
+        max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
+        max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
+        on_policy=args.on_policy, init_adapter=args.init_adapter,
+        distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
+        distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad,
+        base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr,
+        base_model="smollm2-135m-instruct" if args.model is None else None,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
+        resume=args.resume, progress=False, seed=0, device=args.device,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from skipdecode.train import TrainConfig, train
+    from skipdecode.train import TrainConfig, TrainConfigError, train
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,17 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     held = {r["prompt"] for r in heldout_rows}
     prompts = [r["prompt"] for r in train_rows if r["prompt"] not in held]
     speedups = tuple(float(s) for s in args.speedups.split(","))
-    config = TrainConfig(
-        out_dir=str(out), speedups=speedups if len(speedups) > 1 else None,
-        speedup=speedups[0] if len(speedups) == 1 else None, horizon=args.horizon,
-        max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
-        max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=0.05,
-        distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
-        distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad,
-        base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr, base_model="smollm2-135m-instruct" if args.model is None else None,
-        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
-        resume=args.resume, progress=False, seed=0, device=args.device,
-    )
+    try:
+        config = _config(args, TrainConfig, out, speedups)
+    except TrainConfigError as e:
+        raise SystemExit(f"error: {e}")
     command = "python benchmarks/train_adapter.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     start = time.time()
     print(f"[{time.strftime('%H:%M:%S')}] {len(prompts)} training prompts, {config}", flush=True)
@@ -193,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     from skipdecode import load
 
     base = load(args.model, adapter=False)  # the stock weights: never start from the shipped adapter
-    result = train(base, prompts, config, callback=report)
+    try:
+        result = train(base, prompts, config, callback=report)
+    except TrainConfigError as e:  # e.g. an init_adapter of another rank
+        raise SystemExit(f"error: {e}")
     minutes = (time.time() - start) / 60
     final = Path(result.final_dir)
     meta = json.loads((final / "skipdecode.json").read_text())

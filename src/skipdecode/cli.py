@@ -319,7 +319,9 @@ def train(
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="Add this times KL to the full-depth teacher's logits."),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="KL teacher model (name, directory or .gguf; same tokenizer vocabulary); default: the starting model, frozen."),
     distill_max_new_tokens: int = typer.Option(64, "--distill-max-new-tokens", help="Longest teacher answer (tokens)."),
+    on_policy: float = typer.Option(0.0, "--on-policy", help="With --kl-weight: share of each batch's rows answered by the student itself under its schedule, the teacher's choices as targets (on-policy distillation, a project extension)."),
     lora_r: int = typer.Option(0, "--lora-r", help="LoRA rank on all linear projections (0: full fine-tuning)."),
+    init_adapter: Optional[str] = typer.Option(None, "--init-adapter", help="With --lora-r: start the LoRA (and, with --entry-bridge, the bridge) from this adapter folder, e.g. a finished run's final/."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default: 2 * rank)."),
     grad_checkpointing: bool = typer.Option(False, "--grad-checkpointing", help="Recompute layers in backward to save memory."),
     prompt_grad: bool = typer.Option(True, "--prompt-grad/--no-prompt-grad", help="Backpropagate through the prompt; --no-prompt-grad runs it (less its last token) under no_grad (same loss, faster)."),
@@ -363,7 +365,7 @@ def train(
             kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens, lora_r=lora_r,
             lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
             progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
-            entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr,
+            entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr, on_policy=on_policy, init_adapter=init_adapter,
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")

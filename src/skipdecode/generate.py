@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -89,6 +89,7 @@ def generate_step(
     eos_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     stop_fn: Callable[[int, list[int]], bool] | None = None,
+    prefill_context: Callable[[], ContextManager] | None = None,
 ) -> Iterator[StepOutput]:
     """Generator over token columns for a left-padded batch (the engine's core loop).
 
@@ -104,6 +105,10 @@ def generate_step(
         pad_token_id: id fed to and reported for finished rows.
         stop_fn: ``stop_fn(row, generated_ids) -> bool`` called after each emitted token of an
             unfinished row (e.g. stop strings); True freezes the row.
+        prefill_context: factory of the context the prefill runs in (None:
+            :func:`skipdecode.lowrank.base_prefill`, which switches a merged decode-only adapter
+            off); training passes peft's ``disable_adapter`` to generate a decode-only adapter's
+            own answers (:mod:`skipdecode.training.on_policy`).
 
     Yields:
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
@@ -148,7 +153,8 @@ def generate_step(
         start = time.perf_counter()
         if step == 0:
             active = full
-            with base_prefill(adapter.model):  # a decode-only skip adapter is off in the prefill
+            prefill_ctx = prefill_context() if prefill_context is not None else base_prefill(adapter.model)
+            with prefill_ctx:  # a decode-only skip adapter is off in the prefill
                 logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             active = policy.active_layers(step)

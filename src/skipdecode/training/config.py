@@ -123,10 +123,18 @@ class TrainConfig:
             only the KL term: ``distill`` answers still come from the starting model.
         distill_max_new_tokens: longest teacher answer (tokens). distill_batch_size: prompts per
             teacher generation batch.
+        on_policy: share of each micro-batch's rows, in [0, 1], that get the student's own greedy
+            answer under the step's policy (generated at every step, at most
+            ``distill_max_new_tokens`` tokens) instead of their stored response, with the teacher's
+            argmax at each position as the cross-entropy target (on-policy distillation,
+            :mod:`skipdecode.training.on_policy`; a project extension). Needs ``kl_weight`` > 0
+            (the teacher's logits).
 
     LoRA:
         lora_r: LoRA rank (0: full fine-tuning). lora_alpha: scaling numerator (None: 2 * r).
-        lora_dropout: dropout on the LoRA path. base_model: name or path recorded as the adapter's
+        lora_dropout: dropout on the LoRA path. init_adapter: a LoRA adapter folder (peft's, or a
+            packed skip adapter) whose weights start the LoRA, and whose entry bridge starts the
+            bridge when ``entry_bridge`` (no fit); its rank and alpha must be the run's. base_model: name or path recorded as the adapter's
             base in skipdecode.json (None: where the model was loaded from).
 
     Run:
@@ -181,6 +189,8 @@ class TrainConfig:
     teacher: str | None = None
     distill_max_new_tokens: int = 64
     distill_batch_size: int = 16
+    on_policy: float = 0.0
+    init_adapter: str | None = None
     lora_r: int = 0
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
@@ -336,7 +346,20 @@ def _check_distill_lora(c: "TrainConfig") -> None:
             _fail("teacher", "needs kl_weight > 0 (the teacher only enters the KL term)")
     _check_int(c, "distill_max_new_tokens", 1)
     _check_int(c, "distill_batch_size", 1)
+    if not _is_num(c.on_policy) or not 0 <= c.on_policy <= 1:
+        _fail("on_policy", f"must be a share in [0, 1], got {c.on_policy!r}")
+    if c.on_policy > 0 and c.kl_weight == 0:
+        _fail("on_policy", "needs kl_weight > 0, i.e. --kl-weight W (its targets are the teacher's choices)")
     _check_int(c, "lora_r", 0)
+    if c.init_adapter is not None:
+        if isinstance(c.init_adapter, os.PathLike):
+            object.__setattr__(c, "init_adapter", os.fspath(c.init_adapter))
+        if not isinstance(c.init_adapter, str) or not c.init_adapter.strip():
+            _fail("init_adapter", f"must be a LoRA adapter folder, got {c.init_adapter!r}")
+        if c.lora_r == 0:
+            _fail("init_adapter", "needs lora_r >= 1, i.e. --lora-r R (it starts a LoRA adapter)")
+        if not os.path.isdir(c.init_adapter):
+            _fail("init_adapter", f"must be an existing folder, got {c.init_adapter!r}")
     if c.lora_alpha is not None and (not _is_num(c.lora_alpha) or c.lora_alpha <= 0):
         _fail("lora_alpha", f"must be a number > 0, got {c.lora_alpha!r}")
     if not _is_num(c.lora_dropout) or not 0 <= c.lora_dropout < 1:
@@ -365,7 +388,7 @@ RESUME_FIELDS = (
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
     "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill", "entry_bridge", "entry_bridge_examples",
-    "entry_bridge_lr",
+    "entry_bridge_lr", "on_policy", "init_adapter",
 )
 
 

@@ -38,6 +38,8 @@ from .config import TrainConfig, TrainConfigError, build_policies
 from .loss import SkipLossModule, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
+from ..generate import _eos_ids
+from .on_policy import load_init_bridge, load_init_lora, on_policy_rows, on_policy_targets, student_answers
 from .teacher import load_teacher
 
 __all__ = ["train"]
@@ -74,6 +76,7 @@ class _Run:
         self.tokenizer = self.sk.tokenizer
         self.chat = self.sk.chat if config.chat is None else config.chat
         self.num_layers = self.sk.num_layers
+        self.eos_ids = _eos_ids(self.tokenizer, self.sk.model)  # as generate() stops (on-policy answers)
         max_positions = self.sk.adapter.max_positions
         if max_positions is not None and config.max_length > max_positions:
             raise TrainConfigError("max_length", f"must be <= the model's context of {max_positions} positions, "
@@ -166,6 +169,8 @@ class _Run:
                                   target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
             with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
                 self.peft_model = get_peft_model(hf_model, lora_cfg)
+            if c.init_adapter is not None and self.ckpt is None:  # warm start (a resume loads its checkpoint)
+                load_init_lora(self.peft_model, c.init_adapter, c.lora_r, c.lora_alpha or 2 * c.lora_r)
             inner = self.peft_model.base_model.model  # the HF model, LoRA layers injected in place
             trainable: nn.Module = self.peft_model
         else:
@@ -203,6 +208,10 @@ class _Run:
         if self.ckpt is not None:
             bridge = ck._read(self.ckpt / ENTRY_BRIDGE_FILE, lambda p: EntryBridge.load(p.parent), "the entry bridge")
             self.bridge_record = (self.saved.get("entry_bridge") or {})
+        elif self.config.init_adapter is not None:  # warm start: the adapter's own bridge, no fit
+            bridge = load_init_bridge(self.config.init_adapter)
+            self.bridge_record = {"source": bridge.source, "targets": list(bridge.targets),
+                                  "init_adapter": self.config.init_adapter}
         else:
             bridge, self.bridge_record = fit_training_bridge(
                 hf_model, self.train_items, self.policies, self.num_layers, self.config.entry_bridge_examples,
@@ -243,6 +252,21 @@ class _Run:
         with torch.no_grad(), ctx, self.accelerator.autocast():
             return target_logits(self.teacher_adapter, batch, None).float()
 
+    def with_student_answers(self, items: list[TokenizedExample], policy: SkipPolicy) -> list[TokenizedExample]:
+        """``items`` with the first ``on_policy_rows`` rows answered by the student itself
+        (:func:`student_answers`, greedy under ``policy``); unchanged without ``on_policy``."""
+        c = self.config
+        rows = on_policy_rows(c.on_policy, len(items))
+        if not rows:
+            return items
+        tok = self.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        base = self.peft_model.disable_adapter if c.base_prefill else None
+        mine = student_answers(self.unwrapped().adapter, items[:rows], policy, max_new_tokens=c.distill_max_new_tokens,
+                               max_length=c.max_length, eos_token_ids=self.eos_ids, pad_token_id=pad_id,
+                               prefill_context=base)
+        return mine + list(items[rows:])
+
     def micro_batches(self, step: int) -> list[list[TokenizedExample]]:
         """This process's micro-batches of optimizer step ``step`` (a pure function of the seed)."""
         c, world, rank = self.config, self.world, self.rank
@@ -259,7 +283,7 @@ class _Run:
     def train_step(self, step: int, policy: SkipPolicy) -> torch.Tensor:
         """Forward, backward and optimizer step; returns (ce, kl, tokens, targets) summed over processes."""
         acc, c = self.accelerator, self.config
-        micro = self.micro_batches(step)
+        micro = [self.with_student_answers(items, policy) for items in self.micro_batches(step)]
         n_targets = torch.tensor(float(sum(sum(len(x.response_ids) for x in items) for items in micro)),
                                  dtype=torch.float64, device=acc.device)
         if self.world > 1:  # normalise by the global token count: N processes == 1 process
@@ -273,8 +297,10 @@ class _Run:
             with ctx:
                 batch, lm = self.batch_inputs(items, policy)
                 t_logits = self.teacher_logits(batch)
+                rows = on_policy_rows(c.on_policy, len(items))
+                targets = on_policy_targets(batch, t_logits, rows) if rows else None
                 ce, kl = self.module(batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens,
-                                     lm, t_logits)
+                                     lm, t_logits, targets)
                 loss = (ce + c.kl_weight * kl) * scale  # token mean over the whole step, all processes
                 stats += torch.tensor([float(ce.detach()), float(kl.detach()), batch.n_tokens, batch.n_targets],
                                       dtype=torch.float64, device=acc.device)

@@ -242,6 +242,7 @@ class SkipLossModule(nn.Module):
         seq_lens: torch.Tensor,
         layer_mask: torch.Tensor,
         teacher_logits: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed losses of a batch.
 
@@ -250,6 +251,8 @@ class SkipLossModule(nn.Module):
                 (B, T), (B, T), (B,), (B,).
             layer_mask: (B, T, L) bool from :func:`build_layer_mask`.
             teacher_logits: (N, V) full-depth logits at the N target positions, or None.
+            targets: (N,) cross-entropy targets at those positions (None: the next tokens;
+                on-policy rows pass the teacher's choices, :func:`on_policy_targets`).
 
         Returns:
             ``(ce_sum, kl_sum)``: scalar float32 sums over the N response tokens (nats) of the
@@ -260,7 +263,8 @@ class SkipLossModule(nn.Module):
         logits = target_logits(self.adapter, batch, layer_mask, sparse=self.sparse,
                                prompt_grad=self.prompt_grad or not torch.is_grad_enabled(),
                                base_context=base).float()
-        targets = batch.labels()[batch.target_mask()]
+        if targets is None:
+            targets = batch.labels()[batch.target_mask()]
         ce = F.cross_entropy(logits, targets, reduction="sum")
         if teacher_logits is None:
             return ce, ce.new_zeros(())
