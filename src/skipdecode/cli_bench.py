@@ -50,7 +50,7 @@ def bench(
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile (each row gets its memory floor)."),
-    llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add a batch-1 llama.cpp row decoding this GGUF file ('default': the embedded model's); needs the bench-llamacpp extra."),
+    llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add llama.cpp rows decoding this GGUF file ('default': the embedded model's): batch 1, and each batch size > 1 as that many sequences per llama_decode; needs the bench-llamacpp extra."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     from . import bench as B
@@ -173,7 +173,17 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
         prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
         result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
                                             bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
-    result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"))
+        result["llamacpp_batched"] = []
+        for b in (b for b in bench_kwargs["batch_sizes"] if b > 1):  # same prompts as our rows of batch b
+            progress(f"llama.cpp: batch {b}, full depth (low-level llama_decode, {b} sequences)")
+            try:
+                result["llamacpp_batched"].append(E.llamacpp_batched_row(
+                    gguf, B.batch_prompts(b, bench_kwargs["prompts"]), bench_kwargs["new_tokens"],
+                    torch.get_num_threads(), bench_kwargs["repeats"], result["bandwidth"]["read_gbs"]))
+            except RuntimeError as e:
+                fail(f"--llamacpp: batch {b}: {e}")
+    batched8 = next((r for r in result.get("llamacpp_batched", []) if r["batch_size"] == 8), None)
+    result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"), batched8)
     result["meta"]["command"] = command_line(ctx)
     result["meta"]["variants"] = [v[0] for v in variant_list]
     path = B.write_results(result, output)
