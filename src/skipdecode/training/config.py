@@ -333,15 +333,25 @@ def _check_optimisation(c: "TrainConfig") -> None:
                                         "layers drop the prompt's cached keys/values)")
 
 
+def _check_path(c: "TrainConfig", name: str, what: str) -> bool:
+    """An optional path field: a PathLike becomes its string; not None and not a non-empty string
+    fails naming the field. Returns whether the field is set."""
+    value = getattr(c, name)
+    if value is None:
+        return False
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+        object.__setattr__(c, name, value)
+    if not isinstance(value, str) or not value.strip():
+        _fail(name, f"must be {what}, got {value!r}")
+    return True
+
+
 def _check_distill_lora(c: "TrainConfig") -> None:
     _check_bool(c, "distill")
     if not _is_num(c.kl_weight) or c.kl_weight < 0:
         _fail("kl_weight", f"must be a number >= 0, got {c.kl_weight!r}")
-    if c.teacher is not None:
-        if isinstance(c.teacher, os.PathLike):
-            object.__setattr__(c, "teacher", os.fspath(c.teacher))
-        if not isinstance(c.teacher, str) or not c.teacher.strip():
-            _fail("teacher", f"must be a model name or path, got {c.teacher!r}")
+    if _check_path(c, "teacher", "a model name or path"):
         if c.kl_weight == 0:
             _fail("teacher", "needs kl_weight > 0 (the teacher only enters the KL term)")
     _check_int(c, "distill_max_new_tokens", 1)
@@ -351,11 +361,7 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     if c.on_policy > 0 and c.kl_weight == 0:
         _fail("on_policy", "needs kl_weight > 0, i.e. --kl-weight W (its targets are the teacher's choices)")
     _check_int(c, "lora_r", 0)
-    if c.init_adapter is not None:
-        if isinstance(c.init_adapter, os.PathLike):
-            object.__setattr__(c, "init_adapter", os.fspath(c.init_adapter))
-        if not isinstance(c.init_adapter, str) or not c.init_adapter.strip():
-            _fail("init_adapter", f"must be a LoRA adapter folder, got {c.init_adapter!r}")
+    if _check_path(c, "init_adapter", "a LoRA adapter folder"):
         if c.lora_r == 0:
             _fail("init_adapter", "needs lora_r >= 1, i.e. --lora-r R (it starts a LoRA adapter)")
         if not os.path.isdir(c.init_adapter):
