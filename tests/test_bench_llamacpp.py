@@ -11,6 +11,7 @@ library installed, a slow test checks batched decoding against the batch-1 row o
 from __future__ import annotations
 
 import ctypes
+import json
 import sys
 import types
 
@@ -79,12 +80,21 @@ def _fake_llama_cpp(log: list) -> types.ModuleType:
 
     m.llama_memory_clear, m.llama_decode, m.llama_get_logits_ith = clear, decode, logits_ith
 
-    class Llama:
+    class Llama:  # the high-level object: tokenizer, and the batch-1 row's one-sequence generate
         def __init__(self, model_path, vocab_only=False, verbose=True, **kw):
-            assert vocab_only
+            pass
 
         def tokenize(self, text, add_bos=True, special=True):
             return _tokenize(text)
+
+        def reset(self):
+            pass
+
+        def generate(self, tokens, **kw):
+            hist = list(tokens)
+            while True:
+                hist.append(_next(hist))
+                yield hist[-1]
 
     m.Llama = Llama
     return m
@@ -162,6 +172,29 @@ def test_table_puts_llamacpp_rows_after_ours_of_the_same_batch():
     lines = [ln for ln in console.export_text().splitlines() if "full" in ln]
     assert [("llama.cpp" in ln, ln.split()[1]) for ln in lines] == [(False, "1"), (True, "1"), (False, "8"), (True, "8")]
     assert "12.50" in lines[3]
+
+
+def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path):
+    from typer.testing import CliRunner
+
+    from conftest import make_model, make_tokenizer
+    from skipdecode.cli import app
+    from skipdecode.model import SkipModel
+    from test_quantize_cli import invoke
+
+    gguf, log = fake
+    model_dir = tmp_path / "tiny"
+    SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(model_dir)
+    out = tmp_path / "b.json"
+    res = invoke(CliRunner(), ["bench", "--model", str(model_dir), "--batch-sizes", "1,2", "--speedups", "3",
+                               "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--variants", "float32",
+                               "--llamacpp", str(gguf), "--output", str(out), "--no-plot", "--no-hf"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    assert data["llamacpp"]["batch_size"] == 1
+    assert [r["batch_size"] for r in data["llamacpp_batched"]] == [2]
+    assert len(data["llamacpp_batched"][0]["token_ids"]) == 2 and log[-1] == 2
+    assert data["issue_targets"]["llamacpp_b8_tokens_per_s"] is None  # no batch 8 in this run
 
 
 @pytest.mark.slow
