@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--kl-weight", type=float, default=0.5)
-    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
     ap.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=False,
                     help="backward through the prompt positions (--no-prompt-grad: the prompt runs under "
                          "no_grad at full depth, TrainConfig.prompt_grad=False)")
@@ -75,12 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(TrainConfig.entry_bridge; a project extension, docs/entry-bridge.md)")
     ap.add_argument("--entry-bridge-lr", type=float, default=None,
                     help="train the entry bridge too, at this learning rate (default: it stays as fitted)")
-    ap.add_argument("--on-policy", type=float, default=0.0,
-                    help="share of each batch's rows answered by the student itself under the schedule, with the "
-                         "teacher's choices as targets (TrainConfig.on_policy; on-policy distillation)")
-    ap.add_argument("--init-adapter", default=None,
+    ap.add_argument("--on-policy", type=float, default=0.0, metavar="SHARE",
+                    help="share in [0, 1] of each batch's rows answered by the student itself under the schedule, "
+                         "with the teacher's choices as targets (TrainConfig.on_policy; on-policy distillation)")
+    ap.add_argument("--init-adapter", default=None, metavar="DIR",
                     help="start the LoRA and the entry bridge from this adapter folder (TrainConfig.init_adapter; "
-                         "e.g. a copy of the shipped adapter) instead of a fresh LoRA and a bridge fit")
+                         "e.g. the shipped adapter) instead of a fresh LoRA and a bridge fit; its rank and alpha "
+                         "must be --lora-r/--lora-alpha, and with --entry-bridge (the default) it must hold a bridge")
     ap.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps of learning-rate warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
@@ -141,12 +143,24 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
         on_policy=args.on_policy, init_adapter=args.init_adapter,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
-        distill_batch_size=16, lora_r=args.lora_r, prompt_grad=args.prompt_grad,
+        distill_batch_size=16, lora_r=args.lora_r, lora_alpha=args.lora_alpha, prompt_grad=args.prompt_grad,
         base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr,
         base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
         resume=args.resume, progress=False, seed=0, device=args.device,
     )
+
+
+#: TrainConfig fields set by an option of another name (the rest: --field-name).
+_FLAGS = {"speedup": "--speedups", "speedups": "--speedups", "distill_max_new_tokens": "--max-new-tokens",
+          "batch_size": "--batch-size", "entry_bridge": "--entry-bridge/--no-entry-bridge", "out_dir": "--out"}
+
+
+def _config_error(e) -> None:
+    """Exit 2 with a TrainConfigError worded for this script's options (``--init-adapter ...``)."""
+    flag = _FLAGS.get(e.field, "--" + e.field.replace("_", "-"))
+    print(f"error: {flag} {e.reason}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _config(args, TrainConfig, out, speedups)
     except TrainConfigError as e:
-        raise SystemExit(f"error: {e}")
+        _config_error(e)
     command = "python benchmarks/train_adapter.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     start = time.time()
     print(f"[{time.strftime('%H:%M:%S')}] {len(prompts)} training prompts, {config}", flush=True)
@@ -213,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(base, prompts, config, callback=report)
     except TrainConfigError as e:  # e.g. an init_adapter of another rank
-        raise SystemExit(f"error: {e}")
+        _config_error(e)
     minutes = (time.time() - start) / 60
     final = Path(result.final_dir)
     meta = json.loads((final / "skipdecode.json").read_text())

@@ -191,3 +191,59 @@ def test_cli_on_policy_and_init_adapter(tmp_path, decode_only_dir):  # noqa: F81
     saved = json.loads((tmp_path / "run" / "final" / "skipdecode.json").read_text())
     assert saved["training"]["config"]["on_policy"] == 0.5
     assert saved["training"]["config"]["init_adapter"] == str(decode_only_dir)
+
+
+def _broken_copy(src, dst, *, config=None, meta=None, tensors=None):
+    """A copy of the adapter folder ``src`` with its adapter_config.json, skipdecode.json or LoRA
+    tensors changed (each a function of the loaded value)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        (dst / "adapter_config.json").write_text(json.dumps(config(json.loads((dst / "adapter_config.json").read_text()))))
+    if meta is not None:
+        (dst / "skipdecode.json").write_text(json.dumps(meta(json.loads((dst / "skipdecode.json").read_text()))))
+    if tensors is not None:
+        save_file(tensors(load_file(dst / "adapter_model.safetensors")), dst / "adapter_model.safetensors")
+    return dst
+
+
+def _grow_one_lora_b(t):
+    name = next(k for k in sorted(t) if k.endswith("lora_B.weight"))
+    t[name] = torch.zeros(t[name].shape[0] + 1, t[name].shape[1])
+    return t
+
+
+@pytest.mark.parametrize("change, text", [
+    (dict(config=lambda c: [1, 2]), "must hold a JSON object"),
+    (dict(config=lambda c: {**c, "r": "two"}), "'r' must be the LoRA rank, an integer >= 1, got 'two'"),
+    (dict(config=lambda c: {k: v for k, v in c.items() if k != "lora_alpha"}), "'lora_alpha' must be a number > 0"),
+    (dict(meta=lambda m: {**m, "num_layers": NUM_LAYERS + 2}), f"model of {NUM_LAYERS + 2} layers; this model has {NUM_LAYERS}"),
+    (dict(tensors=_grow_one_lora_b), "do not fit this model"),
+])
+def test_malformed_init_adapter_is_one_error_naming_the_field(base_dir, decode_only_dir, tmp_path, change, text):  # noqa: F811
+    folder = _broken_copy(decode_only_dir, tmp_path / "bad", **change)
+    with pytest.raises(TrainConfigError) as info:
+        train(str(base_dir), PROMPTS, _run_cfg(tmp_path / "run", init_adapter=str(folder)))
+    assert info.value.field == "init_adapter" and text in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_train_adapter_script_words_config_errors_as_its_options(tmp_path, capsys):
+    """benchmarks/train_adapter.py: a bad setting exits 2 with one line naming the script's option."""
+    from test_recipe_study import load_script
+
+    script = load_script("train_adapter")
+    args = script.parse_args(["--on-policy", "3", "--out", str(tmp_path / "r"), "--lora-alpha", "8"])
+    assert args.lora_alpha == 8.0
+    from skipdecode.train import TrainConfig
+
+    with pytest.raises(TrainConfigError) as info:
+        script._config(args, TrainConfig, tmp_path / "r", (2.0,))
+    with pytest.raises(SystemExit) as exc:
+        script._config_error(info.value)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err == "error: --on-policy must be a share in [0, 1], got 3.0"
+    with pytest.raises(SystemExit):
+        script._config_error(TrainConfigError("distill_max_new_tokens", "must be an integer >= 1, got 0"))
+    assert capsys.readouterr().err.startswith("error: --max-new-tokens must be")

@@ -140,9 +140,40 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
         raise TrainConfigError("init_adapter", f"{folder} holds no adapter_config.json (a LoRA adapter folder: "
                                                "a checkpoint of a LoRA run, its final/, or a skip adapter)")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise TrainConfigError("init_adapter", f"{path} cannot be read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TrainConfigError("init_adapter", f"{path} must hold a JSON object (peft's LoraConfig), "
+                                               f"got {type(cfg).__name__}")
+    return cfg
+
+
+def _lora_shape(folder: Path, cfg: dict[str, Any]) -> tuple[int, float]:
+    """``(r, lora_alpha)`` recorded in ``adapter_config.json`` (TrainConfigError if absent or not numbers)."""
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise TrainConfigError("init_adapter", f"{folder / 'adapter_config.json'}: 'r' must be the LoRA rank, "
+                                               f"an integer >= 1, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise TrainConfigError("init_adapter", f"{folder / 'adapter_config.json'}: 'lora_alpha' must be a "
+                                               f"number > 0, got {alpha!r}")
+    return r, float(alpha)
+
+
+def _check_layers(folder: Path, peft_model: Any) -> None:
+    """Refuse a folder whose ``skipdecode.json`` records another ``num_layers`` than the model's."""
+    meta_path = folder / "skipdecode.json"
+    if not meta_path.is_file():
+        return
+    try:
+        recorded = json.loads(meta_path.read_text()).get("num_layers")
+    except (OSError, ValueError, AttributeError):
+        return  # the LoRA tensors are checked against the model below
+    have = getattr(peft_model.config, "num_hidden_layers", None) or getattr(peft_model.config, "n_layer", None)
+    if isinstance(recorded, int) and have is not None and recorded != have:
+        raise TrainConfigError("init_adapter", f"{folder} was trained on a model of {recorded} layers; this model "
+                                               f"has {have} (another base model?)")
 
 
 def load_init_lora(peft_model: Any, folder: str | Path, lora_r: int, lora_alpha: float) -> int:
@@ -155,18 +186,22 @@ def load_init_lora(peft_model: Any, folder: str | Path, lora_r: int, lora_alpha:
         The number of LoRA modules loaded from the folder.
 
     Raises:
-        TrainConfigError: (field ``init_adapter``) no adapter there, another rank or alpha than the
-            run's (``lora_r``, ``lora_alpha``), or tensors that match no LoRA module of the model.
+        TrainConfigError: (field ``init_adapter``) no adapter there, an unreadable or malformed
+            ``adapter_config.json``, another rank or alpha than the run's (``lora_r``,
+            ``lora_alpha``), another layer count (its ``skipdecode.json``), or tensors that match
+            no LoRA module of the model or do not fit its shapes.
     """
     from peft.utils import set_peft_model_state_dict
 
     from ..lowrank import LoraFormatError, read_lora_tensors
 
     folder = Path(folder)
-    cfg = _adapter_config(folder)
-    if int(cfg.get("r", -1)) != lora_r or float(cfg.get("lora_alpha", -1)) != float(lora_alpha):
-        raise TrainConfigError("init_adapter", f"{folder} has LoRA r={cfg.get('r')}, alpha={cfg.get('lora_alpha')}; "
-                                               f"the run trains r={lora_r}, alpha={lora_alpha:g} (set lora_r/lora_alpha to match)")
+    r, alpha = _lora_shape(folder, _adapter_config(folder))
+    if r != lora_r or alpha != float(lora_alpha):
+        raise TrainConfigError("init_adapter", f"{folder} has LoRA r={r}, alpha={alpha:g}; the run trains "
+                                               f"r={lora_r}, alpha={float(lora_alpha):g} (set lora_r/lora_alpha, "
+                                               "i.e. --lora-r/--lora-alpha, to match)")
+    _check_layers(folder, peft_model)
     try:
         tensors = read_lora_tensors(folder)
     except LoraFormatError as e:
@@ -174,7 +209,12 @@ def load_init_lora(peft_model: Any, folder: str | Path, lora_r: int, lora_alpha:
     for name, module in peft_model.named_modules():  # modules the folder leaves out: zero delta
         if name.endswith("lora_B.default") and isinstance(module, nn.Linear):
             nn.init.zeros_(module.weight)
-    result = set_peft_model_state_dict(peft_model, tensors)
+    try:
+        result = set_peft_model_state_dict(peft_model, tensors)
+    except RuntimeError as e:  # size mismatch: another hidden size, head count or rank layout
+        first = str(e).strip().splitlines()[-1].strip()
+        raise TrainConfigError("init_adapter", f"{folder}: its LoRA tensors do not fit this model ({first}); "
+                                               "another base model?") from None
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:
         raise TrainConfigError("init_adapter", f"{folder}: {len(unexpected)} tensors match no LoRA module of the "
@@ -193,7 +233,7 @@ def load_init_bridge(folder: str | Path) -> Any:
     try:
         return EntryBridge.load(folder)
     except FileNotFoundError:
-        raise TrainConfigError("init_adapter", f"{folder} holds no entry bridge; train with entry_bridge=false "
+        raise TrainConfigError("init_adapter", f"{folder} holds no entry bridge; train with entry_bridge=false (--no-entry-bridge) "
                                                "or start from an adapter that has one") from None
     except (OSError, ValueError) as e:
         raise TrainConfigError("init_adapter", f"{folder}: its entry bridge cannot be read: {e}") from None
