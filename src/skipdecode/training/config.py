@@ -134,8 +134,9 @@ class TrainConfig:
         lora_r: LoRA rank (0: full fine-tuning). lora_alpha: scaling numerator (None: 2 * r).
         lora_dropout: dropout on the LoRA path. init_adapter: a LoRA adapter folder (peft's, or a
             packed skip adapter) whose weights start the LoRA, and whose entry bridge starts the
-            bridge when ``entry_bridge`` (no fit); its rank and alpha must be the run's. base_model: name or path recorded as the adapter's
-            base in skipdecode.json (None: where the model was loaded from).
+            bridge when ``entry_bridge`` (no fit); its rank and alpha must be the run's.
+            base_model: name or path recorded as the adapter's base in skipdecode.json (None:
+            where the model was loaded from).
 
     Run:
         out_dir: run directory (see the module docstring).

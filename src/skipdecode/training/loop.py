@@ -77,6 +77,8 @@ class _Run:
         self.chat = self.sk.chat if config.chat is None else config.chat
         self.num_layers = self.sk.num_layers
         self.eos_ids = _eos_ids(self.tokenizer, self.sk.model)  # as generate() stops (on-policy answers)
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         max_positions = self.sk.adapter.max_positions
         if max_positions is not None and config.max_length > max_positions:
             raise TrainConfigError("max_length", f"must be <= the model's context of {max_positions} positions, "
@@ -235,9 +237,7 @@ class _Run:
     # ---- one step -----------------------------------------------------------------------
     def batch_inputs(self, items: list[TokenizedExample], policy: SkipPolicy) -> tuple[Batch, torch.Tensor]:
         """A collated batch on the run's device and its (B, T, L) layer mask under ``policy``."""
-        tok = self.tokenizer
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        batch = collate(items, pad_id).to(self.accelerator.device)
+        batch = collate(items, self.pad_id).to(self.accelerator.device)
         T = batch.input_ids.shape[1]
         lm = build_layer_mask(policy, batch.prompt_lens, batch.seq_lens, T, self.num_layers,
                               device=self.accelerator.device)
@@ -259,11 +259,9 @@ class _Run:
         rows = on_policy_rows(c.on_policy, len(items))
         if not rows:
             return items
-        tok = self.tokenizer
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         base = self.peft_model.disable_adapter if c.base_prefill else None
         mine = student_answers(self.unwrapped().adapter, items[:rows], policy, max_new_tokens=c.distill_max_new_tokens,
-                               max_length=c.max_length, eos_token_ids=self.eos_ids, pad_token_id=pad_id,
+                               max_length=c.max_length, eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
                                prefill_context=base)
         return mine + list(items[rows:])
 
