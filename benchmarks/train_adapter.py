@@ -53,16 +53,17 @@ def _layer_range(text: str) -> range:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's settings (defaults: the shipped run)."""
-    ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.")
+    ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "runs" / "skip-adapter"), help="run directory")
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--speedups", default="2", help="comma-separated targets (mixed policy when several)")
     ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
-    ap.add_argument("--max-steps", type=int, default=240)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--kl-weight", type=float, default=0.5)
+    ap.add_argument("--max-steps", type=int, default=240, help="optimizer steps (the cosine schedule spans them)")
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts per optimizer step")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the LoRA")
+    ap.add_argument("--kl-weight", type=float, default=0.5, help="weight of KL(teacher || student) next to the cross-entropy")
     ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
     ap.add_argument("--prompt-grad", action=argparse.BooleanOptionalAction, default=False,
@@ -87,12 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=20, help="validation loss every N steps")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="checkpoint every N steps (2 kept)")
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (2: the shipped run, on a quiet 2-core CPU; 1 is faster on a busy one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
     ap.add_argument("--lora-format", default="float16", choices=("float16", "int8"),
                     help="with --install: how the LoRA weights are stored (int8: a quarter of float32, skipdecode.packing)")
