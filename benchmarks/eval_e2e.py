@@ -9,6 +9,9 @@ the full E2E test set (630 MRs, all references per MR) with:
 * the stock model at full depth and under the *same* schedule as the 2x checkpoint (sanity row:
   skipping without fine-tuning collapses), unless ``--no-stock``;
 * optionally CALM-style early exit (``--calm-threshold``, batch 1) on the 1x checkpoint.
+* with a checkpoint labelled ``1x`` (a full-depth fine-tune) next to others, a second table of
+  every row's speedups against the 1x checkpoint's full-depth row: the paper's baseline
+  (``--baseline LABEL`` picks another, ``--baseline none`` drops it; ``Report.against``).
 
 Writes ``benchmarks/results/eval_e2e.{json,md,png}`` (``eval_cnndm.*`` with ``--task cnndm``, which
 reads the 80 articles of ``cnn_dailymail/cnndm_specbench80.jsonl``) and prints the Markdown table.
@@ -75,6 +78,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="in-flight: prefill every prompt in full (default: items sharing a prompt prefix, "
                         "e.g. the instruction, reuse its keys and values; same texts)")
+    p.add_argument("--baseline", default=None, metavar="LABEL",
+                   help="label of the model whose full-depth row every other row is also compared with "
+                        "(the paper's baseline, a full-depth fine-tune; default: the checkpoint labelled "
+                        "1x when there is one and another model; 'none': no such table)")
     p.add_argument("--sort-by-length", action="store_true",
                    help="batch prompts of similar length together (less padding; outputs stay in item order)")
     return p.parse_args(argv)
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             _die(f"--ckpt label {label!r} clashes with the stock model's label")
         models[label] = loader(str(path))
         policies[label] = ["checkpoint"]
+    baseline = args.baseline if args.baseline is not None else ("1x" if "1x" in ckpts and len(models) > 1 else "none")
+    if baseline != "none" and (baseline not in models or len(models) < 2):
+        _die(f"--baseline {baseline!r} must be the label of one of at least two models {list(models)} (or 'none')")
     calm_model = args.calm_model or ("1x" if "1x" in ckpts else next(iter(ckpts or models)))
     if args.calm_threshold and calm_model not in models:
         _die(f"--calm-model {calm_model!r} is not one of {list(models)}")
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError) as e:
         _die(str(e))
     report.meta["checkpoints"] = {label: str(path) for label, path in ckpts.items()}
+    if baseline != "none":
+        report.set_baseline(baseline)
     paths = report.save(args.out, args.name or f"eval_{args.task}")
     print(report.to_markdown())
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

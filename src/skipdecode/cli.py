@@ -216,6 +216,7 @@ def eval_command(
     cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="With --inflight: " + PREFIX_CACHE_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values, e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .calm import CalmConfig
@@ -270,6 +271,12 @@ def eval_command(
             label, k = f"{base}#{k}", k + 1
         entries[label] = loader(spec)
     specs = [*speedups, *policies] or None
+    baseline_label = None
+    if baseline is not None:
+        given = list(models or ["stock"])
+        if baseline not in given or len(given) < 2:
+            fail(f"--baseline must be one of at least two --model values {given}, got {baseline!r}")
+        baseline_label = list(entries)[given.index(baseline)]
     command = command_line(ctx)
     try:
         report = evaluate(
@@ -281,6 +288,8 @@ def eval_command(
         )
     except (DataError, ValueError) as e:
         fail(str(e))
+    if baseline_label is not None:
+        report.set_baseline(baseline_label)
     try:
         paths = report.save(out_dir, name)
     except OSError as e:

@@ -61,6 +61,28 @@ def _calm_note(calm: list[EvalRow]) -> str:
     )
 
 
+def _baseline_lines(report: Report) -> list[str]:
+    """The table of :meth:`Report.against` for ``meta['baseline']`` (``{"model", "policy"}``),
+    or nothing when the report names no baseline or it is not among the rows."""
+    base = report.meta.get("baseline")
+    if not isinstance(base, dict):
+        return []
+    try:
+        rows = report.against(base.get("model"), base.get("policy", "full"))
+    except KeyError:
+        return []
+    lines = ["", f"Against the baseline {base.get('model')} at {base.get('policy', 'full')} (another model's "
+             "full-depth row; ratios as in the table above, across models):", "",
+             "| model | policy | tokens per item | theor. speedup | wall-clock speedup | decode-step speedup "
+             "| wall / decode-step | time speedup |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        cells = [r["model"], r["policy"], _fmt(r["new_tokens_per_item"], 1), _fmt(r["theoretical_speedup"]) + "x",
+                 _fmt(r["wallclock_speedup"]) + "x", _fmt(r["decode_speedup"]) + "x", _fmt(r["wall_over_decode"]),
+                 _fmt(r["time_speedup"]) + "x"]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
 def report_markdown(report: Report) -> str:
     """The Markdown of :meth:`Report.to_markdown`: a title (data, items, task), the run line
     (commands, device, date, versions), one table line per row (scores of ``meta['metrics']``,
@@ -89,6 +111,7 @@ def report_markdown(report: Report) -> str:
                   str(r.batch_size)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", _SPEED_NOTE]
+    lines += _baseline_lines(report)
     calm = [r for r in report.rows if r.kind == "calm"]
     if calm:
         lines.append(_calm_note(calm))

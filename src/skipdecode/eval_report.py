@@ -126,6 +126,13 @@ class EvalRow:
         return json_safe(asdict(self))
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, NaN when either is NaN or b is 0."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or not b:
+        return float("nan")
+    return a / b
+
+
 def finish_rows(rows: list[EvalRow]) -> None:
     """Derive the speed figures of one model's rows, in place (:meth:`EvalRow.finish`), then their
     speedups against each row's reference row (``reference_policy``, same model):
@@ -180,6 +187,59 @@ class Report:
             if r.model == model and r.policy == policy:
                 return r
         raise KeyError(f"no row ({model!r}, {policy!r}); rows: {[(r.model, r.policy) for r in self.rows]}")
+
+    def against(self, model: str, policy: str = "full") -> list[dict[str, Any]]:
+        """Speed of every other SkipDecode row against one baseline row, across models.
+
+        Each row's own speedups (:func:`finish_rows`) compare it with the *same* model at full
+        depth. The paper's baseline is another model: the fine-tuned full-depth (1x) model
+        (METHOD.md, "What the paper reports"), whose outputs can differ in length from those of a
+        model taught a skip schedule and then decoded at full depth. This gives, for every row
+        but the baseline and CALM rows, the same three ratios against ``(model, policy)``:
+
+        * ``wallclock_speedup``: tokens_per_second / the baseline's;
+        * ``decode_speedup``: the baseline's step_seconds / this row's (mean decode-step time);
+        * ``time_speedup``: the baseline's generation_seconds / this row's (the whole item set);
+        * ``wall_over_decode``: wallclock_speedup / decode_speedup (1 when the outputs are as
+          long and the prefill as cheap, relative to decoding, as the baseline's).
+
+        Rows of different models ran at different times of the run (one model is loaded at a
+        time), so a machine whose speed drifts moves these ratios; rows of one model interleave.
+
+        Returns:
+            one dict per row: ``model``, ``policy``, the four ratios (NaN when an input is NaN or
+            0), ``theoretical_speedup`` and ``new_tokens_per_item`` (tokens).
+
+        Raises:
+            KeyError: no such baseline row (the message lists the rows).
+        """
+        base = self.row(model, policy)
+        out = []
+        for r in self.rows:
+            if r is base or r.kind == "calm":
+                continue
+            wall = _ratio(r.tokens_per_second, base.tokens_per_second)
+            decode = _ratio(base.step_seconds, r.step_seconds)
+            out.append({
+                "model": r.model, "policy": r.policy, "wallclock_speedup": wall, "decode_speedup": decode,
+                "time_speedup": _ratio(base.generation_seconds, r.generation_seconds),
+                "wall_over_decode": _ratio(wall, decode), "theoretical_speedup": r.theoretical_speedup,
+                "new_tokens_per_item": _ratio(r.new_tokens, r.n_items),
+            })
+        return out
+
+    def set_baseline(self, model: str, policy: str = "full") -> list[dict[str, Any]]:
+        """Name ``(model, policy)`` the run's baseline: stores ``meta['baseline']`` (its labels)
+        and ``meta['against_baseline']`` (:meth:`against`), which the Markdown then shows as a
+        second table. Returns the :meth:`against` list.
+
+        Raises:
+            KeyError: no such row (the message lists the rows).
+        """
+        rows = self.against(model, policy)
+        self.meta["baseline"] = {"model": model, "policy": policy}
+        self.meta["against_baseline"] = json_safe(rows)
+        return rows
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict: ``meta``, ``rows`` (with generations) and ``items``."""
