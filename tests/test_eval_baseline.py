@@ -133,3 +133,73 @@ def test_eval_e2e_script_defaults_to_the_1x_checkpoint_as_baseline(saved_pair, t
     with pytest.raises(SystemExit) as exc:
         script.main(["--ckpt", f"2x={two}", "--baseline", "1x", *common])
     assert exc.value.code == 2
+
+
+def test_against_skips_rows_of_another_batch_size_and_nan_on_zero_inputs():
+    base = _row("1x", "full", tokens=100, items=4, seconds=10.0, decode_seconds=8.0, steps=80, layers=480,
+                reference=True)
+    bs1 = _row("1x", "full@bs1", tokens=100, items=4, seconds=20.0, decode_seconds=18.0, steps=320, layers=1920)
+    bs1.batch_size = 1
+    idle = _row("2x", "checkpoint", tokens=0, items=4, seconds=0.0, decode_seconds=0.0, steps=0, layers=0)
+    (r,) = Report(rows=[base, bs1, idle], items=[], meta={}).against("1x")
+    assert r["policy"] == "checkpoint" and r["batch_size"] == 2
+    assert all(math.isnan(r[k]) for k in ("wallclock_speedup", "decode_speedup", "time_speedup", "wall_over_decode"))
+
+
+def test_markdown_keeps_the_calm_note_out_of_the_baseline_table_and_shows_na_without_unit():
+    base = _row("1x", "full", tokens=100, items=4, seconds=10.0, decode_seconds=8.0, steps=80, layers=480,
+                reference=True)
+    other = _row("2x", "checkpoint", tokens=8, items=4, seconds=1.0, decode_seconds=0.0, steps=0, layers=0)
+    calm = _row("2x", "calm@0.9", tokens=8, items=4, seconds=1.0, decode_seconds=1.0, steps=4, layers=8)
+    calm.kind = "calm"
+    rep = Report(rows=[base, other, calm], items=[], meta={})
+    rep.set_baseline("1x")
+    md = rep.to_markdown()
+    after = md.split("Against the baseline")[1].splitlines()
+    table_end = max(i for i, line in enumerate(after) if line.startswith("|"))
+    assert after[table_end + 1] == ""  # a blank line ends the table before any note
+    assert "n/ax" not in md and "| n/a |" in md
+
+
+def test_joined_shards_recompute_the_baseline_comparison(two_models, tmp_path):
+    from skipdecode.evaluate import concat_reports
+
+    path = tmp_path / "items.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    items = load_eval_items(path)
+    shards = []
+    for part in (items[:2], items[2:4]):
+        rep = evaluate({"1x": two_models[0], "2x": two_models[1]}, part, None, batch_size=2, max_new_tokens=3,
+                       stop=(), warmup=False)
+        rep.set_baseline("1x")
+        shards.append(Report.from_dict(json.loads(json.dumps(rep.to_dict()))))
+    joined = concat_reports(shards)
+    stored, fresh = joined.meta["against_baseline"], joined.against("1x")
+    assert [(r["model"], r["policy"]) for r in stored] == [(r["model"], r["policy"]) for r in fresh]
+    for a, b in zip(stored, fresh):
+        assert a["wallclock_speedup"] == pytest.approx(b["wallclock_speedup"])
+        assert a["time_speedup"] == pytest.approx(b["time_speedup"])
+    assert joined.meta["against_baseline"][-1]["wallclock_speedup"] == pytest.approx(
+        joined.row("2x", "checkpoint").tokens_per_second / joined.row("1x", "full").tokens_per_second)
+
+
+def test_cli_baseline_accepts_the_folder_spelled_otherwise_and_table_labels(saved_pair, tmp_path, monkeypatch):
+    one, two = saved_pair
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    monkeypatch.chdir(one.parent)
+    common = ["--data", str(data), "--limit", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    for models, baseline, label in (
+        (["one", "two"], "./one/", "one"),  # same folder, spelled otherwise
+        ([str(one), "two"], "one", "one"),  # the table label of a path
+        (["one", "one"], "one#2", "one#2"),  # the second copy
+    ):
+        args = ["eval", *[x for m in models for x in ("--model", m)], "--baseline", baseline, *common]
+        result, text = _run(args)
+        assert result.exit_code == 0, text
+        rep = json.loads((tmp_path / "o" / "eval.json").read_text())
+        assert rep["meta"]["baseline"]["model"] == label
+    monkeypatch.chdir(one)
+    result, text = _run(["eval", "--model", ".", "--model", "../two", "--baseline", ".", *common])
+    assert result.exit_code == 0, text
+    assert json.loads((tmp_path / "o" / "eval.json").read_text())["meta"]["baseline"]["model"] == "one"

@@ -6,6 +6,7 @@ happen inside each command so ``--help`` is instant.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -185,6 +186,26 @@ def _entry_bridge_info(sk) -> dict | None:
 # --- further subcommands (bench, train, eval, serve) are added below ---------------------------
 
 
+def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]) -> Optional[str]:
+    """The table label of ``--baseline``: a ``--model`` value as given, the same folder spelled
+    otherwise, or a label of the table (``one``, ``one#2``). Exits 2 (naming the option) when it
+    is none of them or fewer than two models are evaluated."""
+    if baseline is None:
+        return None
+    if len(given) >= 2:
+        for spec, label in zip(given, labels):
+            if baseline == spec:
+                return label
+        if baseline in labels:
+            return baseline
+        if Path(baseline).exists():
+            for spec, label in zip(given, labels):
+                if Path(spec).exists() and os.path.samefile(spec, baseline):
+                    return label
+    fail(f"--baseline must be one of at least two --model values {given} (or their labels {labels}), "
+         f"got {baseline!r}")
+
+
 @app.command("eval")
 def eval_command(
     ctx: typer.Context,
@@ -216,7 +237,7 @@ def eval_command(
     cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="With --inflight: " + PREFIX_CACHE_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values, e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values (as given, the same folder spelled otherwise, or its label in the table, e.g. NAME#2 for a second copy), e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .calm import CalmConfig
@@ -265,18 +286,13 @@ def eval_command(
 
     entries = {}
     for spec in models or ["stock"]:
-        label = Path(spec).name if Path(spec).exists() else spec
+        label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
         base, k = label, 2
         while label in entries:
             label, k = f"{base}#{k}", k + 1
         entries[label] = loader(spec)
     specs = [*speedups, *policies] or None
-    baseline_label = None
-    if baseline is not None:
-        given = list(models or ["stock"])
-        if baseline not in given or len(given) < 2:
-            fail(f"--baseline must be one of at least two --model values {given}, got {baseline!r}")
-        baseline_label = list(entries)[given.index(baseline)]
+    baseline_label = _baseline_label(baseline, list(models or ["stock"]), list(entries))
     command = command_line(ctx)
     try:
         report = evaluate(

@@ -50,7 +50,7 @@ def combine_reports(reports: Sequence[Report]) -> Report:
     meta = dict(first.meta)
     meta["combined"] = [{"command": r.meta.get("command"), "date": r.meta.get("date"),
                          "n_items": r.meta.get("n_items")} for r in reports]
-    return Report(rows=rows, items=list(first.items), meta=meta)
+    return _refresh_baseline(Report(rows=rows, items=list(first.items), meta=meta))
 
 
 _SUMMED = ("n_items", "decode_steps", "layers_run", "compute_layers", "head_evals", "new_tokens",
@@ -111,4 +111,17 @@ def concat_reports(reports: Sequence[Report]) -> Report:
         report.meta["rescored"] = first.meta["rescored"]
     else:
         report.meta.pop("rescored", None)
+    return _refresh_baseline(report)
+
+
+def _refresh_baseline(report: Report) -> Report:
+    """Recompute ``meta['against_baseline']`` from the joined rows (the first report's numbers are
+    stale); drop both baseline keys when the baseline row is not among them. Returns ``report``."""
+    base = report.meta.get("baseline")
+    if isinstance(base, dict) and "against_baseline" in report.meta:
+        try:
+            report.set_baseline(base.get("model"), base.get("policy", "full"))
+        except KeyError:
+            report.meta.pop("baseline", None)
+            report.meta.pop("against_baseline", None)
     return report

@@ -36,6 +36,12 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return str(x)
 
 
+def _x(x: Any) -> str:
+    """A speedup cell: ``1.23x``, or ``n/a`` (no unit) when there is no value."""
+    text = _fmt(x)
+    return text if text == "n/a" else text + "x"
+
+
 def _run_line(meta: dict[str, Any]) -> str:
     """The commands (every joined report's, each distinct one once), device, date and package
     versions of a report."""
@@ -63,7 +69,7 @@ def _calm_note(calm: list[EvalRow]) -> str:
 
 def _baseline_lines(report: Report) -> list[str]:
     """The table of :meth:`Report.against` for ``meta['baseline']`` (``{"model", "policy"}``),
-    or nothing when the report names no baseline or it is not among the rows."""
+    then a blank line; nothing when the report names no baseline or it is not among the rows."""
     base = report.meta.get("baseline")
     if not isinstance(base, dict):
         return []
@@ -76,18 +82,19 @@ def _baseline_lines(report: Report) -> list[str]:
              "| model | policy | tokens per item | theor. speedup | wall-clock speedup | decode-step speedup "
              "| wall / decode-step | time speedup |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = [r["model"], r["policy"], _fmt(r["new_tokens_per_item"], 1), _fmt(r["theoretical_speedup"]) + "x",
-                 _fmt(r["wallclock_speedup"]) + "x", _fmt(r["decode_speedup"]) + "x", _fmt(r["wall_over_decode"]),
-                 _fmt(r["time_speedup"]) + "x"]
+        cells = [r["model"], r["policy"], _fmt(r["new_tokens_per_item"], 1), _x(r["theoretical_speedup"]),
+                 _x(r["wallclock_speedup"]), _x(r["decode_speedup"]), _fmt(r["wall_over_decode"]),
+                 _x(r["time_speedup"])]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return lines
+    return lines + [""]  # a paragraph right after a table would read as one more row
 
 
 def report_markdown(report: Report) -> str:
     """The Markdown of :meth:`Report.to_markdown`: a title (data, items, task), the run line
     (commands, device, date, versions), one table line per row (scores of ``meta['metrics']``,
     mean layers of L, theoretical, wall-clock and decode-step speedups (x), tokens/s, batch size;
-    NaN shown as ``n/a``) and notes on the speedups (and on CALM rows when there are any).
+    NaN shown as ``n/a``), notes on the speedups, the table against ``meta['baseline']`` when the
+    report names one (:meth:`Report.against`), and a note on CALM rows when there are any.
     Never raises on a report built by :func:`skipdecode.evaluate.evaluate` or :meth:`Report.load`.
     """
     meta = report.meta
@@ -106,8 +113,8 @@ def report_markdown(report: Report) -> str:
     for r in report.rows:
         cells = [r.model, f"{r.policy}: {r.description}", "yes" if r.reference else ""]
         cells += [_fmt(r.scores.get(m)) for m in order]
-        cells += [f"{_fmt(r.mean_active_layers)}/{r.num_layers}", _fmt(r.theoretical_speedup) + "x",
-                  _fmt(r.tokens_per_second, 1), _fmt(r.wallclock_speedup) + "x", _fmt(r.decode_speedup) + "x",
+        cells += [f"{_fmt(r.mean_active_layers)}/{r.num_layers}", _x(r.theoretical_speedup),
+                  _fmt(r.tokens_per_second, 1), _x(r.wallclock_speedup), _x(r.decode_speedup),
                   str(r.batch_size)]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", _SPEED_NOTE]

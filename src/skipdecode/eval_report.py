@@ -127,8 +127,8 @@ class EvalRow:
 
 
 def _ratio(a: float, b: float) -> float:
-    """a / b, NaN when either is NaN or b is 0."""
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or not b:
+    """a / b, NaN when either is None, NaN or 0."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or not a or not b:
         return float("nan")
     return a / b
 
@@ -170,7 +170,9 @@ class Report:
         meta: run description: ``command``, ``date`` (ISO 8601, UTC), ``versions``, ``data``,
             ``task``, ``metrics``, ``quality_metric``, ``n_items``, ``batch_size``,
             ``max_new_tokens``, ``stop``, ``models`` (label -> source, num_layers, chat, stored
-            policy, model_type), ``device``, ``platform``, ``seconds`` (whole run).
+            policy, model_type), ``device``, ``platform``, ``seconds`` (whole run); after
+            :meth:`set_baseline`, ``baseline`` (``{"model", "policy"}``) and ``against_baseline``
+            (:meth:`against`); ``benchmarks/eval_e2e.py`` adds ``checkpoints`` (label -> folder).
     """
 
     rows: list[EvalRow]
@@ -195,7 +197,8 @@ class Report:
         depth. The paper's baseline is another model: the fine-tuned full-depth (1x) model
         (METHOD.md, "What the paper reports"), whose outputs can differ in length from those of a
         model taught a skip schedule and then decoded at full depth. This gives, for every row
-        but the baseline and CALM rows, the same three ratios against ``(model, policy)``:
+        but the baseline, CALM rows and rows of another batch size than the baseline's (e.g. the
+        ``full@bs1`` references of CALM rows), four dimensionless ratios against ``(model, policy)``:
 
         * ``wallclock_speedup``: tokens_per_second / the baseline's;
         * ``decode_speedup``: the baseline's step_seconds / this row's (mean decode-step time);
@@ -205,10 +208,11 @@ class Report:
 
         Rows of different models ran at different times of the run (one model is loaded at a
         time), so a machine whose speed drifts moves these ratios; rows of one model interleave.
+        Evaluating the baseline model twice (``--model X --model X``) measures that effect.
 
         Returns:
-            one dict per row: ``model``, ``policy``, the four ratios (NaN when an input is NaN or
-            0), ``theoretical_speedup`` and ``new_tokens_per_item`` (tokens).
+            one dict per row: ``model``, ``policy``, ``batch_size``, the four ratios (NaN when
+            either input is NaN or 0), ``theoretical_speedup`` and ``new_tokens_per_item`` (tokens).
 
         Raises:
             KeyError: no such baseline row (the message lists the rows).
@@ -216,12 +220,13 @@ class Report:
         base = self.row(model, policy)
         out = []
         for r in self.rows:
-            if r is base or r.kind == "calm":
+            if r is base or r.kind == "calm" or r.batch_size != base.batch_size:
                 continue
             wall = _ratio(r.tokens_per_second, base.tokens_per_second)
             decode = _ratio(base.step_seconds, r.step_seconds)
             out.append({
-                "model": r.model, "policy": r.policy, "wallclock_speedup": wall, "decode_speedup": decode,
+                "model": r.model, "policy": r.policy, "batch_size": r.batch_size,
+                "wallclock_speedup": wall, "decode_speedup": decode,
                 "time_speedup": _ratio(base.generation_seconds, r.generation_seconds),
                 "wall_over_decode": _ratio(wall, decode), "theoretical_speedup": r.theoretical_speedup,
                 "new_tokens_per_item": _ratio(r.new_tokens, r.n_items),
