@@ -1,8 +1,8 @@
 """In-flight batching engine: every running row carries its own decode step and policy.
 
 METHOD.md "Rows at different steps in one forward". A request waits in a queue; when a slot is
-free it is prefilled at full depth (with the other requests joining at the same step, as one
-left-padded batch), its real K/V positions are copied into its own slot of a
+free it is prefilled at full depth (with the other requests joining at the same step, in
+left-padded batches of similar lengths), its real K/V positions are copied into its own slot of a
 :class:`~skipdecode.cache.SlotCache`, and it emits generated token 0. At every later
 :meth:`Engine.step`, each running row feeds its last token through *its own* plan
 ``policy.active_layers(t)`` (t its own decode step): one :func:`~skipdecode.forward.skip_forward`
@@ -37,7 +37,7 @@ from .policy import FullPolicy, SkipPolicy
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight", "mean_batch_rows"]
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight", "length_buckets", "mean_batch_rows"]
 
 
 @dataclass(eq=False)
@@ -267,8 +267,9 @@ class Engine:
 
     def _prefill(self, joiners: list[Request]) -> list[TokenEvent]:
         """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), grouped by
-        the stored prefix each prompt starts with (one left-padded batch per group; prompts
-        without one: a plain prefill); then store newly shared prefixes."""
+        the stored prefix each prompt starts with (prompts without one: a plain prefill), each
+        group in left-padded batches of similar lengths (:func:`length_buckets`); then store
+        newly shared prefixes."""
         start = time.perf_counter()
         slots = [heapq.heappop(self.free_slots) for _ in joiners]
         pc = self.prefix_cache
@@ -278,8 +279,11 @@ class Engine:
         groups: dict[int, list[int]] = {}
         for i, (entry, _) in enumerate(matches):
             groups.setdefault(id(entry), []).append(i)
+        batches = [[idx[k] for k in bucket]
+                   for idx in groups.values()
+                   for bucket in length_buckets([len(joiners[i].prompt_ids) - matches[i][1] for i in idx])]
         logits: list[torch.Tensor | None] = [None] * len(joiners)
-        for idx in groups.values():
+        for idx in batches:
             out = self._prefill_group([joiners[i] for i in idx], [slots[i] for i in idx], matches[idx[0]][0])
             for k, i in enumerate(idx):
                 logits[i] = out[k]
@@ -436,6 +440,42 @@ class Engine:
                 if ev.finished:
                     done[id(ev.row.request)] = ev.row
         return [done[id(r)] for r in requests]
+
+
+#: the cost of one more prefill forward, in prompt tokens: a forward reads every weight once
+#: (about 36 ms for the embedded model's 538 MB at 15 GB/s), about what 24 tokens of compute cost
+#: at its 0.21 GFLOP a token and about 130 GFLOP/s (2 CPU cores, float32)
+PREFILL_CALL_TOKENS = 32
+
+
+def length_buckets(lengths: Sequence[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
+    """Split prompts of ``lengths`` (tokens each) into left-padded prefill batches that minimise
+    the tokens computed: sum over batches of ``len(batch) * max(batch lengths) + call_tokens``.
+
+    Prompts of similar length share a batch, so short prompts stop paying for the longest one's
+    padding (E2E prompts at 64 clients: 27 % of a single batch's tokens are padding); a split
+    costs one more forward, ``call_tokens``. Exact by dynamic programming over the lengths sorted
+    (a best split of a sorted list is into contiguous runs). Returns lists of indices into
+    ``lengths``, each ascending by length; every index once. Raises ValueError on a negative
+    length or ``call_tokens``.
+    """
+    if call_tokens < 0 or any(n < 0 for n in lengths):
+        raise ValueError(f"lengths and call_tokens must be >= 0, got {list(lengths)}, {call_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j prompts in sorted order
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + call_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
 
 
 def generate_inflight(
