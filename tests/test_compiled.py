@@ -12,6 +12,7 @@ import torch
 
 from skipdecode.compiled import CompileReport, compile_adapter, warm_up
 from skipdecode.generate import encode_prompts, generate_step
+from skipdecode import get_adapter
 from skipdecode.model import SkipModel
 from skipdecode.quantize import quantize_model
 
@@ -167,3 +168,59 @@ def test_compiled_kernel_failure_falls_back(monkeypatch, tokenizer):
     assert not report.enabled and "no working C++ compiler" in report.error
     logits, tokens = _run(sk, None)
     assert torch.equal(tokens, ref[1]) and torch.allclose(logits, ref[0], atol=1e-6)
+
+
+def _inflight(adapter, min_prompt=1):
+    """Six requests joining at different steps with mixed policies, in flight (tests/test_inflight.py);
+    prompts of at least ``min_prompt`` tokens (>= 2: the first one-token layer call is a decode step)."""
+    from test_inflight import CASES, POLICIES, prompt, run_inflight
+
+    from skipdecode.engine import Request
+
+    reqs = [Request(prompt(max(n, min_prompt), 40 + i), m, POLICIES[p]) for i, (n, p, m, _) in enumerate(CASES)]
+    eng, results = run_inflight(adapter, reqs, [c[3] for c in CASES], max_batch_size=4)
+    return eng, results
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_inflight_steps_equal_eager(backend):
+    """In-flight steps (a SlotView cache, rows of different ages and plans, each layer on a
+    subset of rows) run through the compiled layer call and equal the eager engine: tokens, and
+    logits to 1e-5 in float32. (The compiled call once read per-layer lengths off the cache and
+    crashed on a SlotView: `generate --compile` with two prompts.)"""
+    from test_inflight import L
+
+    torch._dynamo.reset()
+    eager = get_adapter(make_model("llama", L))
+    compiled = get_adapter(make_model("llama", L))
+    report = compile_adapter(compiled, backend=backend)
+    assert report.enabled, report.error
+    _, want = _inflight(eager)
+    eng, got = _inflight(compiled)
+    assert report.enabled, report.error  # no silent fallback to eager
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks
+        assert (logits - want_logits).abs().max().item() <= 1e-5
+    assert not eng.running and eng.cache.lengths.sum().item() == 0  # every slot freed
+
+
+def test_compile_failure_in_flight_falls_back_and_undoes_the_cache_write():
+    """A backend that fails on the attention graph, the one after the layer's (eager) cache write,
+    at the first in-flight decode step (a SlotView): the engine falls back to eager, the failed
+    call's (layer, slot) lengths are put back, and the answers are exact."""
+    from test_inflight import L
+
+    def attention_fails(gm, example_inputs):
+        if any("scaled_dot_product" in str(node.target) for node in gm.graph.nodes):
+            raise RuntimeError("no C compiler here")
+        return gm.forward
+
+    torch._dynamo.reset()
+    _, want = _inflight(get_adapter(make_model("llama", L)), min_prompt=2)
+    adapter = get_adapter(make_model("llama", L))
+    report = compile_adapter(adapter, backend=attention_fails)
+    _, got = _inflight(adapter, min_prompt=2)
+    assert not report.enabled and "no C compiler here" in report.error
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks
+        assert (logits - want_logits).abs().max().item() <= 1e-6
