@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="load the adapted model with these weights (the reference stays the float32 stock model)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="load the adapted model in this dtype (the reference stays the float32 stock model); "
+                         "bfloat16 also adds the stock model at full depth in bfloat16 (what the dtype alone moves)")
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                     help="add the stock model at full depth with int8 weights: how far a model everyone would "
                          "call the same one lands on this metric (its noise floor)")
@@ -167,24 +170,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     stock = skipdecode.load(adapter=False)
-    adapted = skipdecode.load(adapter=str(adapter_path), quantize=args.quantize)
-    adapted_name = "adapted" if args.quantize is None else f"adapted {args.quantize}"
+    adapted = skipdecode.load(adapter=str(adapter_path), quantize=args.quantize, dtype=args.dtype)
+    adapted_name = " ".join(["adapted", *([args.quantize] if args.quantize else []),
+                             *([args.dtype] if args.dtype != "float32" else [])])
     horizon = adapted.horizon
     L = stock.num_layers
     kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     configs = [("stock", "full", stock, FullPolicy(L), None), ("stock", "2x", stock, for_speedup(L, 2, horizon), None)]
     if entry_bridge_files(adapter_path) and args.bridge_ablation:  # what the bridge alone does, no LoRA
         configs.append(("stock + entry bridge", "2x", stock, for_speedup(L, 2, horizon), EntryBridge.load(adapter_path)))
+    # rows whose model is loaded when their turn comes (a callable in place of the model)
     if args.calibrate:
-        configs.append(("stock int8", "full", None, FullPolicy(L), None))  # loaded when its turn comes
+        configs.append(("stock int8", "full", lambda: skipdecode.load(adapter=False, quantize="int8"), FullPolicy(L), None))
+    if args.dtype != "float32":
+        configs.append((f"stock {args.dtype}", "full", lambda: skipdecode.load(adapter=False, dtype=args.dtype),
+                        FullPolicy(L), None))
     for s in (float(x) for x in args.speedups.split(",")):
         configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon), None))
     configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
 
     rows, ref = [], None
     for model_name, label, sk, policy, bridge in configs:
-        if sk is None:
-            sk = skipdecode.load(adapter=False, quantize="int8")
+        if callable(sk):
+            sk = sk()
         if bridge is not None:
             attach_entry_bridge(sk.model, bridge)
         out = run(sk, prompts, policy, **kw)
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_sha256": m["sha256"], "prompt_builder": "benchmarks/adapter_prompts.py",
         "data_dir": "../shared/data" if args.data is None else rel(args.data),
         "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "greedy": True, "chat": True,
-        "quantize": args.quantize,
+        "quantize": args.quantize, "dtype": args.dtype,
         "versions": {"torch": torch.__version__, "skipdecode": getattr(skipdecode, "__version__", None)},
         "prompts": held_rows, "example_indices": examples, "rows": rows,
     }

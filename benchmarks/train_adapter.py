@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (2: the shipped run, on a quiet 2-core CPU; 1 is faster on a busy one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 autocast for the training steps (TrainConfig.bf16; fp32 master weights). Fast on "
+                         "CPUs with AMX (amx_bf16 in /proc/cpuinfo) and on GPUs; the teacher answers stay float32")
     ap.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
     ap.add_argument("--lora-format", default="float16", choices=("float16", "int8"),
@@ -148,7 +151,7 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
         base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr,
         base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,
-        resume=args.resume, progress=False, seed=0, device=args.device,
+        resume=args.resume, progress=False, seed=0, device=args.device, bf16=args.bf16,
     )
 
 

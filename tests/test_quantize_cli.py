@@ -85,6 +85,27 @@ def test_bench_bad_variants(runner, chain_dir):
 def test_parse_variants():
     assert parse_variants("float32, int8+compile,int4") == [
         ("float32", None, False), ("int8+compile", "int8", "auto"), ("int4", "int4", False)]
+    assert parse_variants("bfloat16") == [("bfloat16", None, False)]
+    for bad in ("bfloat16+compile", "bf16", "float16"):
+        with pytest.raises(ValueError, match="or bfloat16; got"):
+            parse_variants(bad)
+
+
+def test_run_variants_bfloat16_casts_a_copy(tokenizer):
+    """The bfloat16 variant runs a bfloat16 copy (half the resident bytes, half the floor) and
+    leaves the benchmarked float32 model as it was."""
+    sk = SkipModel(make_model("llama"), tokenizer)
+    before = {k: v.clone() for k, v in sk.model.state_dict().items()}
+    res = run_variants(sk, parse_variants("float32,bfloat16"), bench_kwargs=dict(
+        batch_sizes=(1,), speedups=(2,), new_tokens=4, repeats=1, warmup=0, include_hf=False))
+    f32, bf16 = res["variants"]["float32"], res["variants"]["bfloat16"]
+    assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert bf16["resident_bytes"]["total"] * 2 == f32["resident_bytes"]["total"]
+    rows = {(r["variant"], r["policy"]): r for r in res["rows"] if r.get("engine") != "hf"}
+    full32, full16 = rows[("float32", "full")], rows[("bfloat16", "full")]
+    assert full16["bytes_per_step"] < full32["bytes_per_step"] < 2.1 * full16["bytes_per_step"]
+    assert all(p.dtype == torch.float32 for p in sk.model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in sk.model.state_dict().items())
 
 
 def test_step_bytes_exact(tokenizer):

@@ -33,6 +33,7 @@ from .quantize import QUANTIZE_MODES, quantize_model, resident_bytes
 
 __all__ = [
     "parse_variants",
+    "variant_dtype",
     "measure_bandwidth",
     "build_variant",
     "step_bytes",
@@ -49,7 +50,8 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
 
     Each item is a weight format (float32, int8, int4) with an optional ``+compile`` (compile
     mode "auto": the fused quantized products, or the layer calls of a float32 model) or
-    ``+compile-layers`` (mode "layers": every decoder-layer call).
+    ``+compile-layers`` (mode "layers": every decoder-layer call); or ``bfloat16`` (the model's
+    float weights cast to bfloat16, eager; :func:`variant_dtype`), fast on CPUs with AMX.
 
     Raises:
         ValueError: an unknown item (the message names ``--variants`` and the allowed forms).
@@ -59,16 +61,23 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
         if not item:
             continue
         base, _, suffix = item.partition("+")
-        if base not in ("float32", *QUANTIZE_MODES) or suffix not in ("", "compile", "compile-layers"):
+        if item != "bfloat16" and (base not in ("float32", *QUANTIZE_MODES)
+                                   or suffix not in ("", "compile", "compile-layers")):
             raise ValueError(
                 f"--variants items must be float32, int8 or int4, each optionally +compile or "
-                f"+compile-layers; got {item!r}"
+                f"+compile-layers, or bfloat16; got {item!r}"
             )
         mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
-        out.append((item, None if base == "float32" else base, mode))
+        out.append((item, None if base in ("float32", "bfloat16") else base, mode))
     if not out:
         raise ValueError("--variants must name at least one variant")
     return out
+
+
+def variant_dtype(name: str) -> torch.dtype | None:
+    """The float dtype a variant named ``name`` (:func:`parse_variants`) casts the model to:
+    ``torch.bfloat16`` for ``"bfloat16"``, None (the loaded model's dtype) otherwise."""
+    return torch.bfloat16 if name == "bfloat16" else None
 
 
 def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:
@@ -94,12 +103,14 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float
     return {"read_gbs": nbytes / best_read / 1e9, "copy_gbs": 2 * nbytes / best_copy / 1e9, "megabytes": megabytes}
 
 
-def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any, Any] | None = None):
-    """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized and/or compiled.
+def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any, Any] | None = None,
+                  dtype: torch.dtype | None = None):
+    """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized and/or compiled, or
+    cast to ``dtype`` (a float dtype; None: ``sk``'s own).
 
-    Quantized weights are made from a deep copy of ``sk.model``, kept in ``cache`` by format
-    and kernel mode (``int8+compile`` has its own copy, whose modules run compiled kernels);
-    ``sk`` itself is never modified.
+    Quantized or cast weights are made from a deep copy of ``sk.model``, kept in ``cache`` by
+    format, dtype and kernel mode (``int8+compile`` has its own copy, whose modules run compiled
+    kernels); ``sk`` itself is never modified.
     Returns ``(model, compile_report or None)``; compile time is paid here (batch 1 and 8).
     """
     from .compiled import compile_adapter, warm_up
@@ -107,9 +118,12 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
     cache = {} if cache is None else cache
     # compiled kernels are switched on per quantized module: such a variant gets its own copy
-    key = (quantize, quantize is not None and compile not in (False, "layers"))
+    key = (quantize, quantize is not None and compile not in (False, "layers"), dtype)
     if key not in cache:
-        cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
+        if dtype is not None:  # Tensor.to keeps each weight's strides (load()'s column-major layout)
+            cache[key] = copy.deepcopy(sk.model).to(dtype)
+        else:
+            cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
     variant = SkipModel(cache[key], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
                         skip_config=sk.skip_config)
     report = None
@@ -210,7 +224,7 @@ def run_variants(
     prompts = bench_kwargs.get("prompts")
     for i, (name, quantize, compile) in enumerate(variants):
         progress(f"variant {name}: preparing")
-        variant, report = build_variant(sk, quantize, compile, cache)
+        variant, report = build_variant(sk, quantize, compile, cache, dtype=variant_dtype(name))
         kwargs = dict(bench_kwargs)
         kwargs["include_hf"] = bool(bench_kwargs.get("include_hf", True)) and i == 0
         part = run_benchmark(variant, on_progress=lambda m, n=name: progress(f"{n}: {m}"), **kwargs)
@@ -225,6 +239,7 @@ def run_variants(
         info[name] = {
             "quantize": quantize,
             "compile": compile,
+            "dtype": str(next(variant.model.parameters()).dtype).removeprefix("torch."),
             "resident_bytes": resident_bytes(variant.model),
             "compile_report": report.to_dict() if report is not None else None,
         }

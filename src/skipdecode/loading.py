@@ -126,7 +126,8 @@ def load(
         policy: a policy object overriding the checkpoint's (None: the checkpoint's policy, else
             full depth).
         device: torch device.
-        dtype: "float32" (default; bf16 is slow on CPUs without AVX-512), "bfloat16", "float16".
+        dtype: "float32" (default), "bfloat16" (faster at large batches on CPUs with AMX, slower at
+            batch 1-8 there; slow without AVX-512: docs/quantization.md), "float16".
         chat: use the chat template (None: when the tokenizer has one).
         adapter: skip adapter to merge (:mod:`skipdecode.skip_adapter`). True (default): the
             adapter the package ships for this model, if any (today: the embedded default's 2x

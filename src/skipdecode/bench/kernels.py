@@ -6,6 +6,8 @@ batch size (rows M) and thread count, it times one product ``x (M, K) -> (M, N)`
 kernel:
 
 - ``float32``: ``F.linear`` with the float32 weight (4 bytes per weight);
+- ``bfloat16``: ``F.linear`` of bfloat16 input and weight (2 bytes per weight; oneDNN, AMX tiles
+  on CPUs that have them; includes casting the input);
 - ``int8pack``: ``aten._weight_int8pack_mm`` (1 byte per weight + a float32 scale per row);
 - ``int8fused``: :func:`skipdecode.quantize._fused_int8` compiled by inductor (same bytes);
 - ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` through :func:`skipdecode.int4pack.pack_mm`
@@ -36,7 +38,7 @@ from ..quantize import INT4_GROUP_SIZE, Int4Linear, Int8Linear, _fused_int4, _fu
 __all__ = ["KERNELS", "model_shapes", "time_call", "kernel_rows", "overhead_ms", "step_sums"]
 
 #: Kernel names in table order.
-KERNELS = ("float32", "int8pack", "int8fused", "int4pack", "int4fused")
+KERNELS = ("float32", "bfloat16", "int8pack", "int8fused", "int4pack", "int4fused")
 
 
 def model_shapes(layers: nn.ModuleList, head: nn.Module) -> list[dict[str, Any]]:
@@ -106,6 +108,9 @@ def _kernel_calls(weight: torch.Tensor, kernels: Sequence[str]) -> dict[str, tup
     calls: dict[str, tuple[int, Callable[[torch.Tensor], Any]]] = {}
     if "float32" in kernels:
         calls["float32"] = (N * K * 4, lambda x: F.linear(x, weight))
+    if "bfloat16" in kernels:  # oneDNN's bfloat16 GEMM (AMX where the CPU has it); x cast per call
+        w16 = weight.to(torch.bfloat16)
+        calls["bfloat16"] = (N * K * 2, lambda x: F.linear(x.to(torch.bfloat16), w16))
     if {"int8pack", "int8fused"} & set(kernels):
         q8 = Int8Linear(weight)
         w8, s8 = q8.weight_int8, q8.scale
