@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "must be --lora-r/--lora-alpha, and with --entry-bridge (the default) it must hold a bridge")
     ap.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps of learning-rate warm-up")
     ap.add_argument("--max-new-tokens", type=int, default=40, help="longest teacher answer (tokens)")
+    ap.add_argument("--distill-answers-from", metavar="CKPT", default=None,
+                    help="reuse the teacher answers stored in this checkpoint of an earlier run of this script "
+                         "(e.g. runs/skip-adapter-v7/checkpoint-00000280) instead of generating them (17 min here)")
     ap.add_argument("--max-length", type=int, default=256, help="longest prompt + answer (tokens)")
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
     ap.add_argument("--eval-every", type=int, default=20, help="validation loss every N steps")
@@ -147,7 +150,8 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
         on_policy=args.on_policy, init_adapter=args.init_adapter,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
-        distill_batch_size=16, lora_r=args.lora_r, lora_alpha=args.lora_alpha, prompt_grad=args.prompt_grad,
+        distill_batch_size=16, distill_answers_from=args.distill_answers_from,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, prompt_grad=args.prompt_grad,
         base_prefill=args.base_prefill, entry_bridge=args.entry_bridge, entry_bridge_lr=args.entry_bridge_lr,
         base_model="smollm2-135m-instruct" if args.model is None else None,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, save_total_limit=2,

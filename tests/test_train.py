@@ -557,3 +557,49 @@ def test_gguf_default_model_trains_and_saves(tmp_path):
     result = train(sk, examples(), cfg(tmp_path / "run", max_steps=1, batch_size=1, speedup=2.0))
     loaded = skipdecode.load(result.final_dir)
     assert loaded.num_layers == 30 and loaded.policy == for_speedup(30, 2.0, result.horizon)
+
+
+def test_distill_answers_reused_from_another_run(tmp_path, monkeypatch):
+    """``distill_answers_from``: a second run takes the first run's stored teacher answers (no
+    teacher pass) and stores the same answers with its own checkpoints."""
+    sk = tiny_skipmodel("gpt2", chat=False)
+    prompts = [e.prompt for e in examples()]
+    kw = dict(distill=True, kl_weight=0.5, distill_max_new_tokens=6, max_steps=3, checkpoint_every=3, speedup=2.0)
+    train(sk, prompts, cfg(tmp_path / "first", **kw))
+    first = tmp_path / "first" / "checkpoint-00000003"
+    stored = json.loads((first / "train_state" / "distill_answers.json").read_text())
+
+    import skipdecode.training.loop as loop
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher ran although the answers were given")
+
+    monkeypatch.setattr(loop, "teacher_answers", no_teacher)
+    result = train(tiny_skipmodel("gpt2", chat=False), prompts,
+                   cfg(tmp_path / "second", distill_answers_from=str(first), **kw))
+    again = json.loads((tmp_path / "second" / "checkpoint-00000003" / "train_state" / "distill_answers.json").read_text())
+    assert again == stored and result.data["distill_prompts"] == len(prompts) == len(stored)
+
+
+def test_distill_answers_from_refuses_what_does_not_fit(tmp_path):
+    sk = tiny_skipmodel("gpt2", chat=False)
+    prompts = [e.prompt for e in examples()]
+    kw = dict(distill=True, kl_weight=0.5, distill_max_new_tokens=6, max_steps=3, checkpoint_every=3, speedup=2.0)
+    train(sk, prompts[:3], cfg(tmp_path / "first", **kw))
+    first = str(tmp_path / "first" / "checkpoint-00000003")
+    with pytest.raises(TrainConfigError, match="distill_answers_from.*needs distill=True"):
+        cfg(tmp_path / "a", distill_answers_from=first)
+    with pytest.raises(TrainConfigError, match="must be an existing checkpoint folder"):
+        cfg(tmp_path / "b", distill=True, distill_answers_from=str(tmp_path / "nowhere"))
+    cases = [
+        (dict(kw, distill_max_new_tokens=5), "made with distill_max_new_tokens=6, this run has 5"),
+        (kw, "cover 3 of the"),  # the first run answered 3 of the prompts
+    ]
+    for i, (settings, message) in enumerate(cases):
+        with pytest.raises(TrainConfigError, match=message):
+            train(tiny_skipmodel("gpt2", chat=False), prompts,
+                  cfg(tmp_path / f"c{i}", distill_answers_from=first, **settings))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TrainConfigError, match="is not a checkpoint with teacher answers"):
+        train(tiny_skipmodel("gpt2", chat=False), prompts,
+              cfg(tmp_path / "d", distill_answers_from=str(tmp_path / "empty"), **kw))

@@ -284,6 +284,38 @@ def load_distill_answers(ckpt: Path) -> dict[str, list[int]]:
     return {k: list(v) for k, v in raw.items()}
 
 
+#: settings that shape the teacher's answers: another run's answers are reused only when they match
+ANSWER_FIELDS = ("distill_max_new_tokens", "chat", "response_separator")
+
+
+def reuse_distill_answers(ckpt: str | os.PathLike, config: TrainConfig, needed: list[str]) -> dict[str, list[int]]:
+    """Another run's stored teacher answers (``TrainConfig.distill_answers_from``) for the
+    ``needed`` prompts (prompt -> token ids; the stored answers of other prompts are dropped).
+
+    Raises:
+        TrainConfigError: (field ``distill_answers_from``) the folder holds no answers or no valid
+            training state; its run's :data:`ANSWER_FIELDS` differ from ``config``'s; or its answers
+            miss some of ``needed`` (the message counts them and quotes the first).
+    """
+    ckpt = Path(ckpt)
+    field = "distill_answers_from"
+    try:
+        saved = _read_state(ckpt)
+        answers = load_distill_answers(ckpt)
+    except CheckpointError as err:
+        raise TrainConfigError(field, f"{ckpt} is not a checkpoint with teacher answers: {err.args[0]}") from None
+    defaults = TrainConfig.__dataclass_fields__
+    for name in ANSWER_FIELDS:
+        old, new = saved["config"].get(name, defaults[name].default), getattr(config, name)
+        if old != new:
+            raise TrainConfigError(field, f"its answers were made with {name}={old!r}, this run has {new!r}")
+    missing = [p for p in needed if p not in answers]
+    if missing:
+        raise TrainConfigError(field, f"its answers cover {len(needed) - len(missing)} of the {len(needed)} prompts "
+                                      f"this run needs; missing e.g. {missing[0][:60]!r}")
+    return {p: answers[p] for p in needed}
+
+
 def load_weights(ckpt: Path, hf_model: nn.Module, peft_model: Any) -> None:
     """Load the checkpoint's weights: the LoRA adapter into ``peft_model``, or the full model."""
     if peft_model is not None:

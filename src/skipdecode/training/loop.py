@@ -130,12 +130,15 @@ class _Run:
         self.labels = [label for label, _ in self.policies]
 
     def _distill_answers(self) -> dict[str, list[int]]:
-        """Teacher answers: from the checkpoint on resume, else generated before any weight changes."""
+        """Teacher answers: from the checkpoint on resume, else from ``distill_answers_from``, else
+        generated before any weight changes."""
         c = self.config
         if self.ckpt is not None:
             return ck.load_distill_answers(self.ckpt)
         used = sorted(set(self.order.take(0, self.total_steps * self.step_examples)))
         needed = list(dict.fromkeys([self.rd.train_raw[i].prompt for i in used] + [e.prompt for e in self.rd.val_raw]))
+        if c.distill_answers_from is not None:  # another run's teacher answers, checked to fit
+            return ck.reuse_distill_answers(c.distill_answers_from, c, needed)
         hf_model = self.sk.model
         was_training = hf_model.training
         hf_model.to(self.accelerator.device).eval()
