@@ -224,3 +224,27 @@ def test_compile_failure_in_flight_falls_back_and_undoes_the_cache_write():
     for (toks, logits), (want_toks, want_logits) in zip(got, want):
         assert toks == want_toks
         assert (logits - want_logits).abs().max().item() <= 1e-6
+
+
+def test_warm_up_compiles_the_inflight_variants(tokenizer):
+    """After :func:`warm_up` at batch 1 and 2 (what ``load(compile=True)`` runs), in-flight steps
+    of three rows joining at different steps with different policies compile nothing new: no
+    compile time lands inside timed steps (`generate "a" "b" --compile` once recompiled there)."""
+    from torch._dynamo.utils import counters
+
+    from skipdecode.engine import Engine, Request
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=8), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    engine = Engine(sk.adapter, max_batch_size=4)
+    plans = [sk.policy_for(speedup=2.0, horizon=5), None, sk.policy_for(speedup=3.0, horizon=4)]
+    for i, policy in enumerate(plans):
+        engine.submit(Request(list(range(5, 9 + 2 * i)), max_new_tokens=7, policy=policy))
+        engine.step()
+        engine.step()
+    while engine.busy:
+        engine.step()
+    assert report.enabled and counters["stats"]["unique_graphs"] == after_warm

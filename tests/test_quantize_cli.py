@@ -178,3 +178,11 @@ def test_llamacpp_row_embedded_gguf():
 def test_bench_profile_with_variants_refused(runner, chain_dir):
     res = invoke(runner, ["bench", "--model", str(chain_dir), "--variants", "int8", "--profile"])
     assert res.exit_code == 2 and "--profile breaks down the float32 eager step only" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_bad_dtype_names_the_option(runner, chain_dir, command):
+    args = [command, "--model", str(chain_dir), "--dtype", "float64"] + (["x"] if command == "generate" else [])
+    res = invoke(runner, args)
+    assert res.exit_code == 2
+    assert "--dtype must be float32, bfloat16 or float16 (or fp32, bf16, fp16), got 'float64'" in " ".join(res.output.split())

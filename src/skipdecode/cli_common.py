@@ -177,7 +177,12 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
     check_quantize_option(quantize)
 
     from .adapters import UnsupportedArchitectureError
-    from .loading import LoadError, load
+    from .loading import LoadError, _resolve_dtype, load
+
+    try:
+        _resolve_dtype(dtype)
+    except LoadError as e:
+        fail(f"--{e}")
 
     try:
         dev = torch.device(device)
@@ -200,8 +205,9 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
     report = sk.compile_report
     if report is not None:
         if report.enabled:
-            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s (first call, batch 1)",
-                      markup=False)
+            sizes = " and ".join(str(b) for b in report.warmed_batch_sizes)
+            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s "
+                      f"(first calls, batch {sizes})", markup=False)
         else:
             err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
     return sk

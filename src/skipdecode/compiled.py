@@ -224,12 +224,33 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
     adapter.head = head
 
 
+def _warm_up_inflight(sk, new_tokens: int) -> None:
+    """Compile the in-flight variants too (:class:`~skipdecode.engine.Engine`: a slot cache, rows
+    of different ages whose plans differ, so layers run on one row or on both): one request, then
+    a second joining two steps later, under a 2x schedule."""
+    from .engine import Engine, Request
+    from .policy import for_speedup
+
+    L = sk.adapter.num_layers
+    policy = for_speedup(L, 2.0, horizon=2) if L >= 4 else None
+    ids = sk.tokenizer("Hello there, how are you?")["input_ids"] or [0]
+    engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
+    engine.submit(Request(list(ids), max_new_tokens=new_tokens + 2, policy=policy))
+    for _ in range(2):
+        engine.step()
+    engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=new_tokens, policy=policy))
+    while engine.busy:
+        engine.step()
+
+
 def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
     """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
 
     Each generation runs the prefill (eager) and ``new_tokens - 1`` decode steps at full depth
     (every layer, so every layer's variant is compiled) with two different key lengths, which is
-    what makes key length symbolic. Adds the wall-clock seconds to ``report.compile_seconds``.
+    what makes key length symbolic; then two in-flight rows of different ages under a 2x schedule
+    compile the engine's variants (:func:`_warm_up_inflight`). Adds the wall-clock seconds to
+    ``report.compile_seconds``.
 
     Args:
         sk: a :class:`skipdecode.model.SkipModel` whose adapter went through :func:`compile_adapter`.
@@ -251,6 +272,7 @@ def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_
         generate(sk.adapter, sk.tokenizer, ["Hello there, how are you?"] * B, max_new_tokens=new_tokens,
                  eos_token_ids=[], chat=False)
         report.warmed_batch_sizes.append(B)
+    _warm_up_inflight(sk, new_tokens)
     report.compile_seconds += time.perf_counter() - start
     if report.mode == "kernels":
         from .quantize import kernel_error

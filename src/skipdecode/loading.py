@@ -101,7 +101,7 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise LoadError(f"dtype must be one of {sorted(table)}, got {dtype!r}")
+        raise LoadError(f"dtype must be float32, bfloat16 or float16 (or fp32, bf16, fp16), got {dtype!r}")
     return table[dtype]
 
 
@@ -243,6 +243,10 @@ def load(
     return _accelerate(sk, quantize, compile, unmerged or [], decode_only)
 
 
+#: batch sizes :func:`load` compiles for with ``compile`` (sequences)
+WARM_UP_BATCH_SIZES = (1, 2)
+
+
 def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerged: list[Path],
                 decode_only: list[tuple[Path, bool]] = ()) -> SkipModel:
     """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model; the LoRA adapters in
@@ -271,7 +275,9 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
         from .compiled import compile_adapter, warm_up
 
         mode = "auto" if compile is True else compile
-        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, mode=mode))
+        # batch 1 is specialised by dynamo; a second size makes the batch symbolic, so no later
+        # batch (a static batch, or an in-flight step's rows) recompiles inside timed steps
+        sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, mode=mode), WARM_UP_BATCH_SIZES)
     return sk
 
 
