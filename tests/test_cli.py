@@ -216,6 +216,19 @@ def test_missing_prompts_file_exits_2(runner, random_dir, tmp_path):
     assert "--prompts-file" in res.output and "Traceback" not in res.output
 
 
+def test_empty_prompts_file_is_named(runner, random_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    res = invoke(runner, ["generate", "--model", str(random_dir), "--prompts-file", str(empty)])
+    assert res.exit_code == 2 and squash(f"--prompts-file {empty} holds no prompts") in squash(res.output)
+
+
+def test_speedup_with_layer_bounds_names_the_options(runner, random_dir):
+    res = invoke(runner, ["generate", "x", "--model", str(random_dir), "--speedup", "2", "--max-layers", "4"])
+    assert res.exit_code == 2
+    assert squash("give either --speedup or --max-layers/--min-layers, not both") in squash(res.output)
+
+
 def test_no_prompt_exits_2(runner, random_dir):
     res = invoke(runner, ["generate", "--model", str(random_dir)])
     assert res.exit_code == 2

@@ -130,7 +130,8 @@ def test_token_id_prompts_are_used_as_given(client, sk):
 
 @pytest.mark.parametrize(
     "prompt, param, words",
-    [([5, 9999], "prompt", ["prompt[1]", "token id", "9999"]), ([[5], [-1]], "prompt[1]", ["token id"]),
+    [([5, 9999], "prompt[1]", ["token id", "9999"]), ([[5], [-1]], "prompt[1][0]", ["token id"]),
+     ([999999], "prompt[0]", []), ([[5, 6], [7, 999999]], "prompt[1][1]", []), ("", "prompt", []),
      ([], "prompt", ["at least one"]), ([[5], []], "prompt[1]", ["non-empty"]),
      (["ok", " "], "prompt[1]", ["non-empty"])],
 )
@@ -269,6 +270,9 @@ def test_unknown_fields_are_refused_by_name(client, path, body, param):
          "messages[1].tool_calls", ["not supported"]),
         ([{"role": "user"}], "messages[0].content", ["required"]),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text", ["required"]),
+        ([{"role": "robot", "content": "hi"}], "messages[0].role",
+         ["must be 'system', 'developer', 'user' or 'assistant', got 'robot'"]),
+        ([{"role": 3, "content": "hi"}], "messages[0].role", []),
     ],
 )
 def test_unsupported_message_contents_are_refused_by_name(client, messages, param, words):

@@ -77,7 +77,10 @@ def generate(
     if prompts_file is not None:
         if not prompts_file.exists():
             fail(f"--prompts-file {prompts_file} does not exist")
-        all_prompts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        from_file = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        if not from_file:
+            fail(f"--prompts-file {prompts_file} holds no prompts (one per line; blank lines are skipped)")
+        all_prompts += from_file
     if not all_prompts:
         fail("give at least one prompt (argument) or --prompts-file")
     from .generate import generate as run_generate

@@ -27,6 +27,8 @@ def fail(message: str, code: int = 2) -> None:
 
 def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
     """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error."""
+    if speedup is not None and (max_layers is not None or min_layers is not None):
+        fail("give either --speedup or --max-layers/--min-layers, not both")
     try:
         if speedup is not None or any(v is not None for v in (max_layers, min_layers, warmup_layers, horizon)):
             return model.policy_for(

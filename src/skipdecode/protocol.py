@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, List, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -228,10 +228,14 @@ class ContentPart(_Body):
     text: Optional[StrictStr] = None
 
 
+#: the roles a chat message may have here (OpenAI's ``tool`` and ``function`` need tool calling)
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 class ChatMessage(_Body):
     """One chat turn (OpenAI roles; ``tool`` and ``function`` turns need tool calling, refused)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: StrictStr
     content: Optional[Union[StrictStr, List[ContentPart]]] = None
     name: Optional[StrictStr] = None
 
@@ -362,21 +366,25 @@ def _sampling(req: CommonFields) -> SamplingParams:
         raise _named(e, _SAMPLING_FIELDS, "temperature") from None
 
 
-def _encode(tokenizer: Any, prompt: Any, *, chat: bool, where: str, param: str) -> list[int]:
+def _encode(tokenizer: Any, prompt: Any, *, chat: bool, where: str, param: str | None) -> list[int]:
+    """``encode_prompt``; a ValueError becomes a 400 whose ``param`` is ``param``, or (None) the
+    path the message starts with (``prompt[0]`` for a bad id of a token-id prompt)."""
     try:
         return encode_prompt(tokenizer, prompt, chat=chat, where=where)
     except ValueError as e:
-        raise APIError(400, str(e), param=param) from None
+        text = str(e)
+        at = param if param is not None else (text.split(" ", 1)[0] if text.startswith(where) else where)
+        raise APIError(400, text, param=at) from None
 
 
 def _text_prompts(req: CompletionRequest, tokenizer: Any) -> list[list[int]]:
     """Token ids of each row of ``prompt``: one string, strings, token ids, token-id lists."""
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-        return [_encode(tokenizer, prompt, chat=False, where="prompt", param="prompt")]
+        return [_encode(tokenizer, prompt, chat=False, where="prompt", param=None)]
     if not prompt:
         raise bad("prompt", "must hold at least one prompt (a string, strings, token ids or token-id lists)")
-    return [_encode(tokenizer, p, chat=False, where=f"prompt[{i}]", param=f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_encode(tokenizer, p, chat=False, where=f"prompt[{i}]", param=None) for i, p in enumerate(prompt)]
 
 
 def _message_text(msg: ChatMessage, where: str) -> str:
@@ -415,6 +423,8 @@ def conversation(messages: Sequence[ChatMessage], tokenizer: Any) -> list[dict[s
         if msg.role in ("tool", "function"):
             raise bad(f"{where}.role", f"{msg.role!r} messages carry tool results; this server does not support "
                                        "tool calling")
+        if msg.role not in CHAT_ROLES:
+            raise bad(f"{where}.role", f"must be 'system', 'developer', 'user' or 'assistant', got {msg.role!r}")
         _check_extras(msg.model_extra, "message", f"{where}.")
         role = "system" if msg.role == "developer" and "developer" not in template else msg.role
         turn = {"role": role, "content": _message_text(msg, where)}
