@@ -100,7 +100,10 @@ def _sha256_dir(path: Path) -> str:
 
 def to_markdown(report: dict, n_examples: int = 4) -> str:
     """The table and a few side-by-side examples."""
-    lines = [f"Held-out prompts: {report['n_prompts']} (never trained on), greedy, chat template, "
+    what = ("Training prompts (a seeded sample; the adapter was trained on them)" if report.get("split") == "train"
+            else "Held-out prompts")
+    lines = [f"{what}: {report['n_prompts']}" + (" (never trained on)" if report.get("split") != "train" else "")
+             + ", greedy, chat template, "
              f"at most {report['max_new_tokens']} new tokens; reference = the stock model at full depth.", "",
              "| model | policy | identical answers | ROUGE-L vs full depth | first divergence (tokens) | "
              "mean active layers | theoretical speedup |",
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--speedups", default="2,3", help="adapted-model speedups to measure")
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
+    ap.add_argument("--split", choices=["heldout", "train"], default="heldout",
+                    help="prompt split to measure on; train: a seeded sample of --train-sample training prompts "
+                         "(how well the adapter fits what it was taught, against held-out: how it generalizes)")
+    ap.add_argument("--train-sample", type=int, default=77, help="with --split train: prompts sampled (seed 0)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="load the adapted model with these weights (the reference stays the float32 stock model)")
@@ -161,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     train_rows, held_rows = adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
+    if args.train_sample < 1:
+        ap.error(f"--train-sample must be >= 1, got {args.train_sample}")
+    if args.split == "train":  # measure on what was trained on; the manifest check above still ran
+        import random
+        held_rows = random.Random(0).sample(train_rows, min(args.train_sample, len(train_rows)))
     if args.limit:
         held_rows = held_rows[: args.limit]
     prompts = [r["prompt"] for r in held_rows]
@@ -212,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         if r["source"] not in seen:
             seen.add(r["source"])
             examples.append(i)
-    m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]
+    m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]  # sha256 of the prompts measured
     shipped = args.adapter is None
     report = {
         "name": args.name, "command": " ".join(["python benchmarks/adapter_agreement.py", *(argv if argv is not None else sys.argv[1:])]),
         "model": skipdecode.DEFAULT_MODEL, "num_layers": L, "horizon": horizon,
         "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)" if shipped else rel(adapter_path),
         "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(prompts),
-        "heldout_sha256": m["sha256"], "prompt_builder": "benchmarks/adapter_prompts.py",
+        "split": args.split, "heldout_sha256": m["sha256"], "prompt_builder": "benchmarks/adapter_prompts.py",
         "data_dir": "../shared/data" if args.data is None else rel(args.data),
         "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "greedy": True, "chat": True,
         "quantize": args.quantize, "dtype": args.dtype,

@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--on-policy", type=float, default=0.0, metavar="SHARE",
                     help="share in [0, 1] of each batch's rows answered by the student itself under the schedule, "
                          "with the teacher's choices as targets (TrainConfig.on_policy; on-policy distillation)")
+    ap.add_argument("--position-half-life", type=float, default=None, metavar="TOKENS",
+                    help="weigh response token i's loss 2^(-i/TOKENS), so that early answer tokens count more "
+                         "(TrainConfig.position_half_life); default: every token the same")
     ap.add_argument("--init-adapter", default=None, metavar="DIR",
                     help="start the LoRA and the entry bridge from this adapter folder (TrainConfig.init_adapter; "
                          "e.g. the shipped adapter) instead of a fresh LoRA and a bridge fit; its rank and alpha "
@@ -148,7 +151,7 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
         speedup=speedups[0] if len(speedups) == 1 else None, horizon=args.horizon,
         max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
-        on_policy=args.on_policy, init_adapter=args.init_adapter,
+        on_policy=args.on_policy, init_adapter=args.init_adapter, position_half_life=args.position_half_life,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
         distill_batch_size=16, distill_answers_from=args.distill_answers_from,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, prompt_grad=args.prompt_grad,

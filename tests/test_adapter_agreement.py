@@ -36,3 +36,14 @@ def test_markdown_has_the_divergence_column(script):
     md = script.to_markdown({"n_prompts": 1, "max_new_tokens": 40, "num_layers": 30, "rows": [row],
                              "example_indices": [0], "prompts": [{"prompt": "p"}]})
     assert "first divergence (tokens)" in md and "| 12.5 |" in md
+
+
+def test_markdown_says_which_split_it_measured(script):
+    row = {"model": "adapted", "policy_label": "2x", "exact": 0.0, "rougeL": 50.0, "first_divergence": 3.0,
+           "mean_active_layers": 15.0, "theoretical_speedup": 2.0, "texts": ["x"]}
+    report = {"n_prompts": 1, "max_new_tokens": 40, "num_layers": 30, "rows": [row],
+              "example_indices": [0], "prompts": [{"prompt": "p"}]}
+    held = script.to_markdown(report)
+    assert held.startswith("Held-out prompts: 1 (never trained on)")
+    train = script.to_markdown({**report, "split": "train"})
+    assert train.startswith("Training prompts") and "never trained on" not in train

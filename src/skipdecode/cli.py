@@ -349,6 +349,7 @@ def train(
     distill_max_new_tokens: int = typer.Option(64, "--distill-max-new-tokens", help="Longest teacher answer (tokens)."),
     distill_answers_from: Optional[str] = typer.Option(None, "--distill-answers-from", help="With --distill: reuse the teacher answers stored in this checkpoint folder of an earlier run (same model, --distill-max-new-tokens and chat setting) instead of generating them."),
     on_policy: float = typer.Option(0.0, "--on-policy", help="With --kl-weight: share in [0, 1] of each batch's rows answered by the student itself under its schedule, the teacher's choices as targets (on-policy distillation, a project extension)."),
+    position_half_life: Optional[float] = typer.Option(None, "--position-half-life", help="Weigh response token i's loss 2^(-i/H) for this H (tokens): early answer tokens count more (a project extension); default: every token the same."),
     lora_r: int = typer.Option(0, "--lora-r", help="LoRA rank on all linear projections (0: full fine-tuning)."),
     init_adapter: Optional[str] = typer.Option(None, "--init-adapter", help="With --lora-r: start the LoRA (and, with --entry-bridge, the bridge) from this adapter folder, e.g. a finished run's final/; its rank and alpha must equal --lora-r/--lora-alpha."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha (default: 2 * rank)."),
@@ -396,6 +397,7 @@ def train(
             lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
             progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
             entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr, on_policy=on_policy, init_adapter=init_adapter,
+            position_half_life=position_half_life,
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")

@@ -136,6 +136,12 @@ class TrainConfig:
             argmax at each position as the cross-entropy target (on-policy distillation,
             :mod:`skipdecode.training.on_policy`; a project extension). Needs ``kl_weight`` > 0
             (the teacher's logits).
+        position_half_life: None (the paper's loss: every response token weighs the same) or a
+            number of tokens > 0: response token i's cross-entropy and KL terms weigh
+            ``2 ** (-i / position_half_life)`` and the step's loss is their weighted mean
+            (:func:`skipdecode.training.loss.position_weights`; a project extension). Early answer
+            tokens then count more: a greedy answer that parts from the teacher's early loses most of
+            a sequence-level agreement score. Validation losses stay unweighted.
 
     LoRA:
         lora_r: LoRA rank (0: full fine-tuning). lora_alpha: scaling numerator (None: 2 * r).
@@ -199,6 +205,7 @@ class TrainConfig:
     distill_batch_size: int = 16
     distill_answers_from: str | None = None
     on_policy: float = 0.0
+    position_half_life: float | None = None
     init_adapter: str | None = None
     lora_r: int = 0
     lora_alpha: float | None = None
@@ -374,6 +381,9 @@ def _check_distill_lora(c: "TrainConfig") -> None:
         _fail("on_policy", f"must be a share in [0, 1], got {c.on_policy!r}")
     if c.on_policy > 0 and c.kl_weight == 0:
         _fail("on_policy", "needs kl_weight > 0, i.e. --kl-weight W (its targets are the teacher's choices)")
+    if c.position_half_life is not None and (not _is_num(c.position_half_life) or not c.position_half_life > 0
+                                             or not math.isfinite(c.position_half_life)):
+        _fail("position_half_life", f"must be a number of tokens > 0 (or unset), got {c.position_half_life!r}")
     _check_int(c, "lora_r", 0)
     if _check_path(c, "init_adapter", "a LoRA adapter folder"):
         if c.lora_r == 0:
@@ -408,7 +418,7 @@ RESUME_FIELDS = (
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
     "lora_dropout", "skip_bad_rows", "prompt_grad", "base_prefill", "entry_bridge", "entry_bridge_examples",
-    "entry_bridge_lr", "on_policy", "init_adapter",
+    "entry_bridge_lr", "on_policy", "init_adapter", "position_half_life",
 )
 
 

@@ -35,7 +35,7 @@ from ..policy import SkipPolicy
 from . import checkpoint as ck
 from .batching import Batch, TokenizedExample, _hash_examples, _Order, _policy_index, build_layer_mask, collate
 from .config import TrainConfig, TrainConfigError, build_policies
-from .loss import SkipLossModule, target_logits
+from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
 from ..generate import _eos_ids
@@ -282,17 +282,22 @@ class _Run:
         return out
 
     def train_step(self, step: int, policy: SkipPolicy) -> torch.Tensor:
-        """Forward, backward and optimizer step; returns (ce, kl, tokens, targets) summed over processes."""
+        """Forward, backward and optimizer step; returns (ce, kl, tokens, targets, weight) summed over
+        processes (ce and kl weighted by ``position_half_life`` when set; weight: the targets' summed
+        weights, the target count when unweighted)."""
         acc, c = self.accelerator, self.config
         micro = [self.with_student_answers(items, policy) for items in self.micro_batches(step)]
-        n_targets = torch.tensor(float(sum(sum(len(x.response_ids) for x in items) for items in micro)),
-                                 dtype=torch.float64, device=acc.device)
-        if self.world > 1:  # normalise by the global token count: N processes == 1 process
-            n_targets = acc.reduce(n_targets, "sum")
+        weights = [position_weights([len(x.response_ids) for x in items], c.position_half_life, acc.device)
+                   for items in micro]  # None: every target weighs 1
+        total = torch.tensor(float(sum(float(w.sum()) if w is not None else sum(len(x.response_ids) for x in items)
+                                       for w, items in zip(weights, micro))), dtype=torch.float64, device=acc.device)
+        if self.world > 1:  # normalise by the global token weight: N processes == 1 process
+            total = acc.reduce(total, "sum")
         # DDP averages the processes' gradients, hence the factor world: the step's gradient is
-        # that of (sum of all processes' token losses) / (all processes' target tokens).
-        scale = self.world / float(n_targets)
-        stats = torch.zeros(4, dtype=torch.float64, device=acc.device)  # ce, kl, tokens, targets
+        # that of (sum of all processes' weighted token losses) / (their summed weights; the
+        # target count when unweighted).
+        scale = self.world / float(total)
+        stats = torch.zeros(5, dtype=torch.float64, device=acc.device)  # ce, kl, tokens, targets, weight
         for j, items in enumerate(micro):
             ctx = contextlib.nullcontext() if j == len(micro) - 1 else acc.no_sync(self.module)
             with ctx:
@@ -301,10 +306,11 @@ class _Run:
                 rows = on_policy_rows(c.on_policy, len(items))
                 targets = on_policy_targets(batch, t_logits, rows) if rows else None
                 ce, kl = self.module(batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens,
-                                     lm, t_logits, targets)
-                loss = (ce + c.kl_weight * kl) * scale  # token mean over the whole step, all processes
-                stats += torch.tensor([float(ce.detach()), float(kl.detach()), batch.n_tokens, batch.n_targets],
-                                      dtype=torch.float64, device=acc.device)
+                                     lm, t_logits, targets, weights[j])
+                loss = (ce + c.kl_weight * kl) * scale  # (weighted) token mean over the whole step
+                w_sum = float(weights[j].sum()) if weights[j] is not None else batch.n_targets
+                stats += torch.tensor([float(ce.detach()), float(kl.detach()), batch.n_tokens, batch.n_targets,
+                                       w_sum], dtype=torch.float64, device=acc.device)
                 acc.backward(loss)
         if c.max_grad_norm > 0:
             acc.clip_grad_norm_(self.params, c.max_grad_norm)
@@ -492,8 +498,9 @@ class _Run:
         meter["targets"] += n_tgt
         self.totals["tokens"] += n_tok
         self.totals["targets"] += n_tgt
-        loss_value = float(stats[0] / stats[3]) if n_tgt else float("nan")
-        kl_value = float(stats[1] / stats[3]) if n_tgt else float("nan")
+        # the step's (position-weighted, with position_half_life) mean per target token
+        loss_value = float(stats[0] / stats[4]) if n_tgt else float("nan")
+        kl_value = float(stats[1] / stats[4]) if n_tgt else float("nan")
         done = step + 1
         self.train_log.append({"step": done, "loss": loss_value, "kl": kl_value, "lr": lr, "speedup": label,
                                "tokens": n_tok, "seconds": seconds})

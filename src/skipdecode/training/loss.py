@@ -31,7 +31,40 @@ from ..forward import skip_forward
 from ..policy import SkipPolicy
 from .batching import Batch, build_layer_mask
 
-__all__ = ["teacher_forced_logits", "target_logits", "SkipLossModule", "PrefixKV"]
+__all__ = ["teacher_forced_logits", "target_logits", "SkipLossModule", "PrefixKV", "position_weights"]
+
+
+def position_weights(response_lens: list[int], half_life: float | None,
+                     device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Per-target loss weights that halve every ``half_life`` response tokens.
+
+    Response token ``i`` (0-based) of every row weighs ``2 ** (-i / half_life)``, so the first
+    answer tokens, where a greedy answer first parts from the teacher's and which decide most of
+    a sequence-level agreement score, count more than late ones (a project extension,
+    ``TrainConfig.position_half_life``; the paper's loss is the unweighted token mean).
+
+    Args:
+        response_lens: tokens of each row's response, in batch order (the row-major order of
+            ``Batch.target_mask()``: row b contributes ``response_lens[b]`` targets).
+        half_life: tokens (> 0), or None for uniform weights.
+        device: where the weights live.
+
+    Returns:
+        (N,) float32 weights, N = ``sum(response_lens)``, or None when ``half_life`` is None.
+
+    Raises:
+        ValueError: ``half_life`` not a finite number > 0, or a negative length.
+    """
+    if half_life is None:
+        return None
+    if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0 \
+            or half_life == float("inf"):
+        raise ValueError(f"half_life must be a finite number > 0 (tokens), got {half_life!r}")
+    if any(n < 0 for n in response_lens):
+        raise ValueError(f"response_lens must be >= 0, got {list(response_lens)!r}")
+    idx = torch.cat([torch.arange(n, dtype=torch.float32) for n in response_lens]) if response_lens \
+        else torch.zeros(0)
+    return torch.exp2(-idx / float(half_life)).to(device)
 
 
 class PrefixKV:
@@ -243,6 +276,7 @@ class SkipLossModule(nn.Module):
         layer_mask: torch.Tensor,
         teacher_logits: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed losses of a batch.
 
@@ -253,10 +287,12 @@ class SkipLossModule(nn.Module):
             teacher_logits: (N, V) full-depth logits at the N target positions, or None.
             targets: (N,) cross-entropy targets at those positions (None: the next tokens;
                 on-policy rows pass the teacher's choices, :func:`on_policy_targets`).
+            weights: (N,) per-target weights (:func:`position_weights`), or None (each 1).
 
         Returns:
             ``(ce_sum, kl_sum)``: scalar float32 sums over the N response tokens (nats) of the
-            cross-entropy and of KL(teacher || student) (0 without teacher logits).
+            cross-entropy and of KL(teacher || student) (0 without teacher logits), each token's
+            term times its weight when ``weights`` is given.
         """
         batch = Batch(input_ids, attention_mask, prompt_lens, seq_lens)
         base = self.model.disable_adapter if self.base_prefill else None
@@ -265,9 +301,16 @@ class SkipLossModule(nn.Module):
                                base_context=base).float()
         if targets is None:
             targets = batch.labels()[batch.target_mask()]
-        ce = F.cross_entropy(logits, targets, reduction="sum")
+        if weights is None:
+            ce = F.cross_entropy(logits, targets, reduction="sum")
+        else:
+            ce = (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
         if teacher_logits is None:
             return ce, ce.new_zeros(())
-        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits.float(), -1),
-                      log_target=True, reduction="sum")
+        if weights is None:
+            kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits.float(), -1),
+                          log_target=True, reduction="sum")
+        else:
+            kl = (F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits.float(), -1),
+                           log_target=True, reduction="none").sum(-1) * weights).sum()
         return ce, kl
