@@ -98,6 +98,17 @@ class SkipCache:
             raise ValueError(f"num_positions must be >= 0, got {num_positions}")
         self.lengths = [min(n, num_positions) for n in self.lengths]
 
+    def snapshot_lengths(self) -> list[int]:
+        """A copy of the per-layer cached lengths (tokens), for :meth:`restore_lengths`: a caller
+        that may abandon a layer call after its cache write (a compiled call falling back to
+        eager) rolls the lengths back with it."""
+        return list(self.lengths)
+
+    def restore_lengths(self, snapshot: list[int]) -> None:
+        """Put back lengths taken by :meth:`snapshot_lengths` (positions written since are then
+        ignored and overwritten by the next write)."""
+        self.lengths[:] = snapshot
+
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep batch rows ``rows`` (B',) (long indices into B) in every layer, e.g. to drop finished rows."""
         for i in range(self.num_layers):
@@ -250,6 +261,15 @@ class SlotView:
                 f"layer {layer_idx} holds {int(have[i])} cached positions for slot {int(self.slots[i])}, "
                 f"expected {int(self.positions[i])}: a layer skipped earlier cannot run again (the plan is not monotone)"
             )
+
+    def snapshot_lengths(self) -> torch.Tensor:
+        """A copy of the slot cache's (L, S) per-(layer, slot) lengths (tokens), for
+        :meth:`restore_lengths` (as :meth:`SkipCache.snapshot_lengths`)."""
+        return self.cache.lengths.clone()
+
+    def restore_lengths(self, snapshot: torch.Tensor) -> None:
+        """Put back lengths taken by :meth:`snapshot_lengths`."""
+        self.cache.lengths.copy_(snapshot)
 
     def _slot_index(self, buf: torch.Tensor) -> torch.Tensor | slice:
         first, n = int(self.slots[0]), len(self.slots)

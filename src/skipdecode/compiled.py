@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from .adapters.base import Adapter, call_layer
-from .cache import SlotView
 
 __all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
 
@@ -161,7 +160,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        lengths = _cache_lengths(cache)
+        lengths = cache.snapshot_lengths() if cache is not None else None
         try:
             with torch._dynamo.config.patch(
                 recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
@@ -171,34 +170,13 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             report.enabled = False
             report.error = _one_line(exc)
             adapter.compiled_layer_call = None
-            _restore_lengths(cache, lengths)  # undo a cache write the failed call may have made
+            if cache is not None:  # undo a cache write the failed call may have made
+                cache.restore_lengths(lengths)
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
 
     adapter.compiled_layer_call = run
     _compile_head(adapter, backend, report)
     return report
-
-
-def _cache_lengths(cache: Any) -> Any:
-    """A copy of the cached lengths a layer call may change: per layer for a
-    :class:`~skipdecode.cache.SkipCache` (a list), per (layer, slot) for the
-    :class:`~skipdecode.cache.SlotCache` behind an in-flight step's
-    :class:`~skipdecode.cache.SlotView` (an (L, S) tensor); None without a cache."""
-    if cache is None:
-        return None
-    if isinstance(cache, SlotView):
-        return cache.cache.lengths.clone()
-    return list(cache.lengths)
-
-
-def _restore_lengths(cache: Any, lengths: Any) -> None:
-    """Put back the lengths :func:`_cache_lengths` copied (nothing for None)."""
-    if lengths is None:
-        return
-    if isinstance(cache, SlotView):
-        cache.cache.lengths.copy_(lengths)
-    else:
-        cache.lengths[:] = lengths
 
 
 def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None:

@@ -95,6 +95,39 @@ def _atomic_save(model: Any, tokenizer: Any, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def slow_bfloat16_cpu() -> str | None:
+    """Why bfloat16 would be slow on this CPU, or None when it should not be.
+
+    On x86 CPUs below AVX-512 (PyTorch's ``torch.backends.cpu.get_cpu_capability()`` reports
+    ``AVX2``, ``NO AVX`` or ``DEFAULT``) bfloat16 matmuls have no native instructions and run far
+    slower than float32: a 2x skip-adapter training step took about 3 minutes under bf16 autocast
+    on a 2-core AMD EPYC with AVX2, against about 15 s in float32 (docs/quantization.md). CPUs
+    with AVX-512 (and AMX) run them natively; other architectures are not judged (None).
+
+    Returns:
+        A one-line reason naming the capability, or None.
+    """
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "NO AVX", "DEFAULT"):
+        return (f"this CPU's vector capability is {cap} (no AVX-512): bfloat16 matmuls run much slower than "
+                "float32 here; use float32")
+    return None
+
+
+def warn_if_slow_bfloat16(what: str) -> None:
+    """Log a warning naming ``what`` (e.g. ``"dtype='bfloat16'"``) when :func:`slow_bfloat16_cpu`
+    finds a reason; the run goes on (bfloat16 stays correct, only slow)."""
+    reason = slow_bfloat16_cpu()
+    if reason:
+        import logging
+
+        logging.getLogger("skipdecode").warning("%s on the CPU: %s", what, reason)
+
+
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -163,6 +196,8 @@ def load(
     if not isinstance(adapter, (bool, str, os.PathLike)):
         raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
     torch_dtype = _resolve_dtype(dtype)
+    if torch_dtype == torch.bfloat16:
+        warn_if_slow_bfloat16("dtype='bfloat16'")
     try:
         check_quantize(quantize)
     except QuantizeError as err:

@@ -39,6 +39,7 @@ from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
 from ..generate import _eos_ids
+from ..loading import warn_if_slow_bfloat16
 from .on_policy import load_init_bridge, load_init_lora, on_policy_rows, on_policy_targets, student_answers
 from .teacher import load_teacher
 
@@ -84,6 +85,8 @@ class _Run:
             raise TrainConfigError("max_length", f"must be <= the model's context of {max_positions} positions, "
                                                  f"got {config.max_length}")
         set_seed(config.seed)
+        if config.bf16 and self.device == "cpu":
+            warn_if_slow_bfloat16("bf16 autocast (bf16=True)")
         self.accelerator = Accelerator(cpu=self.device == "cpu", mixed_precision="bf16" if config.bf16 else "no")
         self.main = self.accelerator.is_main_process
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
