@@ -130,13 +130,27 @@ def to_markdown(report: dict, n_examples: int = 4) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speedup_list(text: str) -> list[float]:
+    """``"2,3"`` as ``[2.0, 3.0]`` ("" gives none); argparse reports the error with the option's name."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers >= 1, e.g. 2,3; got {text!r}") from None
+    if any(not v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers >= 1, e.g. 2,3; got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
     ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--speedups", default="2,3", help="adapted-model speedups to measure")
+    ap.add_argument("--speedups", default="2,3", type=_speedup_list,
+                    help="adapted-model speedups to measure (for_speedup schedules; '' for none)")
+    ap.add_argument("--trained-policy", action="store_true",
+                    help="also measure the adapted model under its checkpoint's own trained schedule")
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
     ap.add_argument("--split", choices=["heldout", "train"], default="heldout",
                     help="prompt split to measure on; train: a seeded sample of --train-sample training prompts "
@@ -197,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype != "float32":
         configs.append((f"stock {args.dtype}", "full", lambda: skipdecode.load(adapter=False, dtype=args.dtype),
                         FullPolicy(L), None))
-    for s in (float(x) for x in args.speedups.split(",")):
+    for s in args.speedups:
         configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon), None))
+    if args.trained_policy:  # the checkpoint's own schedule, e.g. one trained with --max-layers/--min-layers
+        p = adapted.policy
+        label = f"trained {p.max_layers}->{p.min_layers}" if hasattr(p, "max_layers") else "trained (full)"
+        configs.append((adapted_name, label, adapted, p, None))
     configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
 
     rows, ref = [], None

@@ -58,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(REPO / "runs" / "skip-adapter"), help="run directory")
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--speedups", default="2", help="comma-separated targets (mixed policy when several)")
+    ap.add_argument("--speedups", default=None,
+                    help="comma-separated targets (mixed policy when several; default 2)")
+    ap.add_argument("--max-layers", type=int, default=None,
+                    help="explicit schedule instead of --speedups: layers at the first decode step")
+    ap.add_argument("--min-layers", type=int, default=None,
+                    help="explicit schedule instead of --speedups: layers after the horizon (the floor)")
     ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
     ap.add_argument("--max-steps", type=int, default=240, help="optimizer steps (the cosine schedule spans them)")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per optimizer step")
@@ -146,10 +151,13 @@ def _adapter_record(command: str, minutes: float, train_rows: list[dict], heldou
 
 
 def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[float, ...]):
-    """The run's :class:`skipdecode.train.TrainConfig` (raises its TrainConfigError on a bad value)."""
+    """The run's :class:`skipdecode.train.TrainConfig` (raises its TrainConfigError on a bad value).
+
+    ``speedups`` is empty when the schedule is explicit (``--max-layers``/``--min-layers``)."""
     return config_cls(
         out_dir=str(out), speedups=speedups if len(speedups) > 1 else None,
         speedup=speedups[0] if len(speedups) == 1 else None, horizon=args.horizon,
+        max_layers=args.max_layers, min_layers=args.min_layers,
         max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
         on_policy=args.on_policy, init_adapter=args.init_adapter, position_half_life=args.position_half_life,
@@ -164,7 +172,7 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
 
 
 #: TrainConfig fields set by an option of another name (the rest: --field-name).
-_FLAGS = {"speedup": "--speedups", "speedups": "--speedups", "distill_max_new_tokens": "--max-new-tokens",
+_FLAGS = {"speedup": "--speedups or --max-layers/--min-layers", "speedups": "--speedups", "distill_max_new_tokens": "--max-new-tokens",
           "batch_size": "--batch-size", "entry_bridge": "--entry-bridge/--no-entry-bridge", "out_dir": "--out"}
 
 
@@ -173,6 +181,26 @@ def _config_error(e) -> None:
     flag = _FLAGS.get(e.field, "--" + e.field.replace("_", "-"))
     print(f"error: {flag} {e.reason}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _speedups(args: argparse.Namespace) -> tuple[float, ...]:
+    """``--speedups`` as numbers; empty with an explicit ``--max-layers``/``--min-layers`` schedule.
+
+    Raises:
+        SystemExit: (2) both kinds of schedule given, or a speedup that is not a number.
+    """
+    explicit = args.max_layers is not None or args.min_layers is not None
+    if explicit:
+        if args.speedups is not None:
+            print("error: give either --speedups or --max-layers/--min-layers, not both", file=sys.stderr)
+            raise SystemExit(2)
+        return ()
+    try:
+        return tuple(float(s) for s in (args.speedups or "2").split(","))
+    except ValueError:
+        print(f"error: --speedups takes comma-separated numbers, e.g. 2 or 2,3; got {args.speedups!r}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         train_rows = train_rows[: args.limit_prompts]
     held = {r["prompt"] for r in heldout_rows}
     prompts = [r["prompt"] for r in train_rows if r["prompt"] not in held]
-    speedups = tuple(float(s) for s in args.speedups.split(","))
+    speedups = _speedups(args)
     try:
         config = _config(args, TrainConfig, out, speedups)
     except TrainConfigError as e:

@@ -47,3 +47,14 @@ def test_markdown_says_which_split_it_measured(script):
     assert held.startswith("Held-out prompts: 1 (never trained on)")
     train = script.to_markdown({**report, "split": "train"})
     assert train.startswith("Training prompts") and "never trained on" not in train
+
+
+def test_speedups_option_parses_and_refuses_bad_values(script, capsys):
+    """``--speedups`` takes numbers >= 1, "" for none; anything else exits 2 naming the option."""
+    assert script._speedup_list("2,3") == [2.0, 3.0]
+    assert script._speedup_list("") == []
+    for bad in ("x", "2,0.5"):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--speedups", bad])
+        assert exc.value.code == 2
+        assert "argument --speedups: takes comma-separated numbers >= 1" in capsys.readouterr().err

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from skipdecode.policy import for_speedup
-from skipdecode.train import TrainConfigError, collate, teacher_forced_logits, tokenize_examples, train
+from skipdecode.train import TrainConfigError, tokenize_examples, train
 from skipdecode.training.loss import position_weights
 
-from test_train import cfg, examples, tiny_skipmodel, weights
+from test_train import cfg, examples, per_token_ce, tiny_skipmodel, weights
 
 
 def test_weights_halve_every_half_life_tokens_and_restart_per_row():
@@ -48,18 +47,12 @@ def test_logged_loss_is_the_position_weighted_mean(tmp_path, tokenizer):
     items = tokenize_examples(tokenizer, exs, chat=True, max_length=256)[0]
     weighted = total_w = plain = 0.0
     n = 0
-    with torch.no_grad():
-        for item in items:
-            batch = collate([item])
-            ids = batch.input_ids[0]
-            P, S = len(item.prompt_ids), len(item)
-            logits = teacher_forced_logits(sk.adapter, batch, policy, sparse=False)[0]
-            ce = F.cross_entropy(logits[P - 1:S - 1], ids[P:S], reduction="none")
-            w = torch.tensor([2.0 ** (-i / 2.0) for i in range(S - P)])
-            weighted += float((w * ce).sum())
-            total_w += float(w.sum())
-            plain += float(ce.sum())
-            n += S - P
+    for ce in per_token_ce(sk, items, policy):
+        w = torch.tensor([2.0 ** (-i / 2.0) for i in range(len(ce))])
+        weighted += float((w * ce).sum())
+        total_w += float(w.sum())
+        plain += float(ce.sum())
+        n += len(ce)
     logged = result.train_log[0]["loss"]
     assert logged == pytest.approx(weighted / total_w, abs=1e-5)
     assert abs(logged - plain / n) > 1e-3  # the weighting is visible

@@ -260,12 +260,28 @@ def test_train_learns_the_schedule_and_writes_a_loadable_checkpoint(tmp_path):
     assert info.value.field == "out_dir"
 
 
+def per_token_ce(sk, items, policy, *, with_prompt: bool = False) -> list[torch.Tensor]:
+    """Reference cross-entropies, one row at a time (masked reference path, no sparse
+    teacher forcing, no grad): for each item a (S - P,) tensor over its response tokens (position
+    p predicts token p + 1), or (S - 1,) over every next token with ``with_prompt``."""
+    import torch.nn.functional as F
+
+    out = []
+    with torch.no_grad():
+        for item in items:
+            batch = collate([item])
+            ids = batch.input_ids[0]
+            P, S = len(item.prompt_ids), len(item)
+            logits = teacher_forced_logits(sk.adapter, batch, policy, sparse=False)[0]
+            start = 0 if with_prompt else P - 1
+            out.append(F.cross_entropy(logits[start:S - 1], ids[start + 1:S], reduction="none"))
+    return out
+
+
 def test_logged_loss_is_the_response_cross_entropy_under_the_policy(tmp_path, tokenizer):
     """The first step's logged loss equals a direct computation: the cross-entropy of the
     teacher-forced logits under the policy (masked reference path, one row at a time) at the
     positions that predict response tokens, averaged over those tokens only."""
-    import torch.nn.functional as F
-
     exs = examples()
     original = tiny_skipmodel()
     reference = weights(original.model)
@@ -274,21 +290,11 @@ def test_logged_loss_is_the_response_cross_entropy_under_the_policy(tmp_path, to
     sk = tiny_skipmodel()
     sk.model.load_state_dict(reference)
     items = tokenize_examples(tokenizer, exs, chat=True, max_length=256)[0]
-    totals = {"policy": 0.0, "full": 0.0, "with_prompt": 0.0}
-    n_resp = n_all = 0
-    with torch.no_grad():
-        for item in items:
-            batch = collate([item])
-            ids = batch.input_ids[0]
-            P, S = len(item.prompt_ids), len(item)
-            logits = {"policy": teacher_forced_logits(sk.adapter, batch, policy, sparse=False)[0],
-                      "full": teacher_forced_logits(sk.adapter, batch, FullPolicy(6))[0]}
-            resp = slice(P - 1, S - 1)  # position p predicts token p + 1, a response token
-            totals["policy"] += float(F.cross_entropy(logits["policy"][resp], ids[P:S], reduction="sum"))
-            totals["full"] += float(F.cross_entropy(logits["full"][resp], ids[P:S], reduction="sum"))
-            totals["with_prompt"] += float(F.cross_entropy(logits["policy"][: S - 1], ids[1:S], reduction="sum"))
-            n_resp += S - P
-            n_all += S - 1
+    ce = {"policy": per_token_ce(sk, items, policy), "full": per_token_ce(sk, items, FullPolicy(6)),
+          "with_prompt": per_token_ce(sk, items, policy, with_prompt=True)}
+    totals = {k: sum(float(c.sum()) for c in v) for k, v in ce.items()}
+    n_resp = sum(len(c) for c in ce["policy"])
+    n_all = sum(len(c) for c in ce["with_prompt"])
     logged = result.train_log[0]["loss"]
     assert logged == pytest.approx(totals["policy"] / n_resp, abs=1e-5)
     # the assertion can tell: full depth, or counting prompt positions, gives another value

@@ -292,8 +292,10 @@ class _Run:
         micro = [self.with_student_answers(items, policy) for items in self.micro_batches(step)]
         weights = [position_weights([len(x.response_ids) for x in items], c.position_half_life, acc.device)
                    for items in micro]  # None: every target weighs 1
-        total = torch.tensor(float(sum(float(w.sum()) if w is not None else sum(len(x.response_ids) for x in items)
-                                       for w, items in zip(weights, micro))), dtype=torch.float64, device=acc.device)
+        # each micro-batch's summed target weight (its response-token count when unweighted)
+        w_sums = [float(w.sum()) if w is not None else float(sum(len(x.response_ids) for x in items))
+                  for w, items in zip(weights, micro)]
+        total = torch.tensor(sum(w_sums), dtype=torch.float64, device=acc.device)
         if self.world > 1:  # normalise by the global token weight: N processes == 1 process
             total = acc.reduce(total, "sum")
         # DDP averages the processes' gradients, hence the factor world: the step's gradient is
@@ -311,9 +313,8 @@ class _Run:
                 ce, kl = self.module(batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens,
                                      lm, t_logits, targets, weights[j])
                 loss = (ce + c.kl_weight * kl) * scale  # (weighted) token mean over the whole step
-                w_sum = float(weights[j].sum()) if weights[j] is not None else batch.n_targets
                 stats += torch.tensor([float(ce.detach()), float(kl.detach()), batch.n_tokens, batch.n_targets,
-                                       w_sum], dtype=torch.float64, device=acc.device)
+                                       w_sums[j]], dtype=torch.float64, device=acc.device)
                 acc.backward(loss)
         if c.max_grad_norm > 0:
             acc.clip_grad_norm_(self.params, c.max_grad_norm)
