@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="adapter_agreement")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit must be >= 1 (leave it out for every prompt), got {args.limit}")
 
     import torch
 

@@ -61,9 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--speedups", default=None,
                     help="comma-separated targets (mixed policy when several; default 2)")
     ap.add_argument("--max-layers", type=int, default=None,
-                    help="explicit schedule instead of --speedups: layers at the first decode step")
+                    help="explicit schedule instead of --speedups: layers at the first decode step "
+                         "(alone with --min-layers: every layer)")
     ap.add_argument("--min-layers", type=int, default=None,
-                    help="explicit schedule instead of --speedups: layers after the horizon (the floor)")
+                    help="explicit schedule instead of --speedups: layers after the horizon, the floor "
+                         "(alone with --max-layers: a constant budget of --max-layers)")
     ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
     ap.add_argument("--max-steps", type=int, default=240, help="optimizer steps (the cosine schedule spans them)")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per optimizer step")
@@ -172,14 +174,15 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
 
 
 #: TrainConfig fields set by an option of another name (the rest: --field-name).
-_FLAGS = {"speedup": "--speedups or --max-layers/--min-layers", "speedups": "--speedups", "distill_max_new_tokens": "--max-new-tokens",
+_FLAGS = {"speedup": "--speedups", "speedups": "--speedups", "distill_max_new_tokens": "--max-new-tokens",
           "batch_size": "--batch-size", "entry_bridge": "--entry-bridge/--no-entry-bridge", "out_dir": "--out"}
 
 
 def _config_error(e) -> None:
     """Exit 2 with a TrainConfigError worded for this script's options (``--init-adapter ...``)."""
     flag = _FLAGS.get(e.field, "--" + e.field.replace("_", "-"))
-    print(f"error: {flag} {e.reason}", file=sys.stderr)
+    reason = e.reason.replace("max_layers", "--max-layers").replace("min_layers", "--min-layers")
+    print(f"error: {flag} {reason}", file=sys.stderr)
     raise SystemExit(2)
 
 

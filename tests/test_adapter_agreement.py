@@ -58,3 +58,10 @@ def test_speedups_option_parses_and_refuses_bad_values(script, capsys):
             script.main(["--speedups", bad])
         assert exc.value.code == 2
         assert "argument --speedups: takes comma-separated numbers >= 1" in capsys.readouterr().err
+
+
+def test_limit_below_one_is_refused_before_any_loading(script, capsys):
+    """``--limit 0`` used to mean every prompt (a full run instead of a smoke test)."""
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--limit", "0"])
+    assert exc.value.code == 2 and "--limit must be >= 1" in capsys.readouterr().err

@@ -58,4 +58,12 @@ def test_mixed_or_bad_schedules_exit_2_in_one_line(script, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         script._config_error(info.value)
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and err == "error: --min-layers must be <= max_layers (25), got 30"
+    assert exc.value.code == 2 and err == "error: --min-layers must be <= --max-layers (25), got 30"
+
+    args = script.parse_args(["--out", str(tmp_path / "r"), "--speedups", "0.5"])
+    with pytest.raises(TrainConfigError) as info:  # a bad speedup names only the option given
+        script._config(args, TrainConfig, tmp_path / "r", script._speedups(args))
+    with pytest.raises(SystemExit):
+        script._config_error(info.value)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --speedups must be") and "max-layers" not in err, err
