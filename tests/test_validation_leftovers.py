@@ -424,3 +424,18 @@ def test_the_filter_is_exact():
     shown = [(str(w.message), w.lineno) for w in record]
     assert shown == [("`is_gradient_checkpointing` is deprecated", 1), ("another future change", shown[1][1]),
                      ("`is_gradient_checkpointing` is deprecated", 2)], shown
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve", "--port", "8"]])
+@pytest.mark.parametrize("extra, words", [
+    (["--speedup", "0.5"], ["--speedup must be a finite number >= 1, got 0.5"]),
+    (["--speedup", "nan"], ["--speedup must be a finite number >= 1"]),
+    (["--speedup", "2", "--max-layers", "4"], ["give either --speedup or --max-layers/--min-layers, not both"]),
+    (["--max-layers", "0"], ["--max-layers must be >= 1, got 0"]),
+    (["--horizon", "0"], ["--horizon must be >= 1, got 0"]),
+])
+def test_cli_policy_options_are_checked_before_the_model_loads(saved, command, extra, words, monkeypatch):
+    """A bad --speedup used to be refused only after the model had loaded (seconds later)."""
+    no_model_load(monkeypatch)
+    monkeypatch.setattr("skipdecode.cli._check_can_listen", lambda host, port: None)
+    assert_one_line_exit_2(*cli([*command, "--model", str(saved), *extra]), *words)

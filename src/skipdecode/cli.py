@@ -30,6 +30,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     QUANTIZE_HELP,
     as_option_error,
     check_cohort_option,
+    check_policy_options,
     check_output_folder,
     check_quantize_option,
     set_threads,
@@ -90,6 +91,7 @@ def generate(
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
+    check_policy_options(speedup, max_layers, min_layers, horizon)
     sk = load_model(model, device, dtype, chat, quantize, compile, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
     sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, chat, quantize, compile))
@@ -480,6 +482,7 @@ def serve(
         fail("--cohort-size applies to in-flight batching; drop it or --serial")
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
+    check_policy_options(speedup, max_layers, min_layers, horizon)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)

@@ -25,6 +25,25 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def check_policy_options(speedup, max_layers, min_layers, horizon) -> None:
+    """The policy options' checks that need no model, run before the model loads (seconds
+    earlier than :func:`resolve_policy`); the same messages as the library's.
+
+    Raises:
+        typer.Exit: (2, via :func:`fail`) a ``--speedup`` that is not a finite number >= 1, both
+            kinds of schedule, or a ``--max-layers``/``--min-layers``/``--horizon`` below 1.
+    """
+    import math
+
+    if speedup is not None and (max_layers is not None or min_layers is not None):
+        fail("give either --speedup or --max-layers/--min-layers, not both")
+    if speedup is not None and not (math.isfinite(speedup) and speedup >= 1):
+        fail(f"--speedup must be a finite number >= 1, got {speedup!r}")
+    for name, value in (("--max-layers", max_layers), ("--min-layers", min_layers), ("--horizon", horizon)):
+        if value is not None and value < 1:
+            fail(f"{name} must be >= 1, got {value}")
+
+
 def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
     """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error."""
     if speedup is not None and (max_layers is not None or min_layers is not None):
