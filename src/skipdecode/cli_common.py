@@ -45,9 +45,9 @@ def check_policy_options(speedup, max_layers, min_layers, horizon) -> None:
 
 
 def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
-    """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error."""
-    if speedup is not None and (max_layers is not None or min_layers is not None):
-        fail("give either --speedup or --max-layers/--min-layers, not both")
+    """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error
+    (the model-free checks of :func:`check_policy_options` first, then the model's)."""
+    check_policy_options(speedup, max_layers, min_layers, horizon)
     try:
         if speedup is not None or any(v is not None for v in (max_layers, min_layers, warmup_layers, horizon)):
             return model.policy_for(
