@@ -15,8 +15,12 @@ Rows: stock at 2x, adapted at 2x, adapted at 3x, adapted at full depth (and stoc
 the reference itself). When the adapter has an entry bridge (:mod:`skipdecode.entry_bridge`),
 also the stock model with that bridge and no LoRA at 2x (``--no-bridge-ablation`` drops it). With ``--calibrate`` (default) also the stock model at full depth with int8
 weights: a model anyone would call the same one, whose answers still drift from the float32 ones
-a few tokens in; its ROUGE-L is the metric's noise floor. 2x and 3x are :func:`skipdecode.policy.for_speedup` with the adapter's
-horizon (2x = the adapter's trained schedule, 21 -> 9 layers over 32 tokens).
+a few tokens in; its ROUGE-L is the metric's noise floor. The adapted model's 2x and 3x are what
+``--speedup 2`` / ``3`` runs for it (:meth:`skipdecode.model.SkipModel.policy_for`): the schedule the
+adapter was trained with for that speedup when its ``skipdecode.json`` has one, else
+:func:`skipdecode.policy.for_speedup` with the adapter's horizon (2x: 21 -> 9 layers over 32 tokens).
+The stock model's 2x is ``for_speedup`` (what ``--no-adapter --speedup 2`` runs). The table's
+schedule column gives each row's layers.
 
     python benchmarks/adapter_agreement.py                          # the shipped adapter
     python benchmarks/adapter_agreement.py --adapter runs/skip-adapter/final
@@ -98,6 +102,15 @@ def _sha256_dir(path: Path) -> str:
     return h.hexdigest()
 
 
+def _schedule(policy: dict | None) -> str:
+    """A policy dict as ``"25->5 over 32"`` (linear decay), ``"all"`` (full depth) or ``""``."""
+    if not policy:
+        return ""
+    if policy.get("type") == "linear_decay":
+        return f"{policy['max_layers']}->{policy['min_layers']} over {policy['horizon']}"
+    return "all" if policy.get("type") == "full" else ""
+
+
 def to_markdown(report: dict, n_examples: int = 4) -> str:
     """The table and a few side-by-side examples."""
     what = ("Training prompts (a seeded sample; the adapter was trained on them)" if report.get("split") == "train"
@@ -105,12 +118,13 @@ def to_markdown(report: dict, n_examples: int = 4) -> str:
     lines = [f"{what}: {report['n_prompts']}" + (" (never trained on)" if report.get("split") != "train" else "")
              + ", greedy, chat template, "
              f"at most {report['max_new_tokens']} new tokens; reference = the stock model at full depth.", "",
-             "| model | policy | identical answers | ROUGE-L vs full depth | first divergence (tokens) | "
-             "mean active layers | theoretical speedup |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| model | policy | schedule (layers) | identical answers | ROUGE-L vs full depth | "
+             "first divergence (tokens) | mean active layers | theoretical speedup |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         div = f"{r['first_divergence']:.1f}" if "first_divergence" in r else ""
-        lines.append(f"| {r['model']} | {r['policy_label']} | {r['exact']:.1f} % | {r['rougeL']:.1f} | {div} | "
+        lines.append(f"| {r['model']} | {r['policy_label']} | {_schedule(r.get('policy'))} | {r['exact']:.1f} % | "
+                     f"{r['rougeL']:.1f} | {div} | "
                      f"{r['mean_active_layers']:.2f}/{report['num_layers']} | {r['theoretical_speedup']:.2f}x |")
     lines += ["", "Examples (held-out prompts):", ""]
     by = {(r["model"], r["policy_label"]): r for r in report["rows"]}
@@ -148,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--speedups", default="2,3", type=_speedup_list,
-                    help="adapted-model speedups to measure (for_speedup schedules; '' for none)")
+                    help="adapted-model speedups to measure (each as --speedup S runs it: the adapter's trained "
+                         "schedule for S, else for_speedup; '' for none)")
     ap.add_argument("--trained-policy", action="store_true",
                     help="also measure the adapted model under its checkpoint's own trained schedule")
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
@@ -214,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         configs.append((f"stock {args.dtype}", "full", lambda: skipdecode.load(adapter=False, dtype=args.dtype),
                         FullPolicy(L), None))
     for s in args.speedups:
-        configs.append((adapted_name, f"{s:g}x", adapted, for_speedup(L, s, horizon), None))
+        # the schedule the adapter was trained with for s (SkipModel.trained_policy), else for_speedup
+        configs.append((adapted_name, f"{s:g}x", adapted, adapted.policy_for(speedup=s), None))
     if args.trained_policy:  # the checkpoint's own schedule, e.g. one trained with --max-layers/--min-layers
         p = adapted.policy
         label = f"trained {p.max_layers}->{p.min_layers}" if hasattr(p, "max_layers") else "trained (full)"

@@ -51,6 +51,17 @@ def _layer_range(text: str) -> range:
     return range(first, last + 1)
 
 
+def _speedup_above_one(text: str) -> float:
+    """argparse type of --as-speedup: a finite number > 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 1, got {text!r}") from None
+    if not 1 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 1, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's settings (defaults: the shipped run)."""
     ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.",
@@ -119,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bridge-targets", default=None, metavar="FIRST-LAST", type=_layer_range,
                     help="with --install: ship only the entry bridge's maps of these entry layers (e.g. 10-29: "
                          "those the 2x, 3x and 5x schedules jump to); default all")
+    ap.add_argument("--as-speedup", default=None, type=_speedup_above_one, metavar="S",
+                    help="with --install: record the run's trained schedule (e.g. --max-layers 25 --min-layers 5, "
+                         "labelled 'custom') as its schedule for --speedup S, so that --speedup S runs it")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
@@ -237,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json_atomic(meta_path, meta)
         try:
             target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
-                                     bridge_targets=args.bridge_targets)
+                                     bridge_targets=args.bridge_targets, as_speedup=args.as_speedup)
         except ValueError as e:
             raise SystemExit(f"error: {e}")
         print(dumps({"installed": _rel(target),

@@ -119,7 +119,7 @@ def test_saved_policy_is_picked_up(runner, chain_dir):
     budgets = [SAVED_POLICY.budget(t) for t in range(1, steps + 1)]
     assert data["stats"]["theoretical_speedup"] == pytest.approx(NUM_LAYERS * steps / sum(budgets))
     # ... and `info` reports it
-    info = json.loads(invoke(runner, ["info", "--model", str(chain_dir)]).stdout)
+    info = json.loads(invoke(runner, ["info", "--model", str(chain_dir), "--json"]).stdout)
     assert info["policy"] == SAVED_POLICY.to_dict() and info["num_layers"] == NUM_LAYERS
     assert info["model_type"] == "llama"
 

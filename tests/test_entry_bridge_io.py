@@ -224,7 +224,7 @@ def test_install_adapter_keeps_the_bridge(base_dir, bridged_adapter_dir, tmp_pat
 
 
 def _info(*args: str) -> dict:
-    res = CliRunner().invoke(app, ["info", *args], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(app, ["info", *args, "--json"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
 
@@ -242,6 +242,9 @@ def test_cli_info_reports_the_bridge(base_dir, bridged_dir, bridged_adapter_dir,
     assert info["entry_bridge"]["path"] == str(bridged_adapter_dir)
     assert info["skip_adapter"]["entry_bridge"]["targets"] == TARGETS
     assert _info("--model", str(base_dir), "--no-adapter")["entry_bridge"] is None
+    summary = CliRunner().invoke(app, ["info", "--model", str(base_dir)], env={"COLUMNS": "200"}).stdout
+    first, last = TARGETS["first"], TARGETS["last"]
+    assert f"entry bridge:    layer 0 -> entry layers {first}-{last} ({TARGETS['count']} layers)" in summary
 
 
 # ---------------------------------------------------------------------------------------------

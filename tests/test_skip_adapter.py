@@ -129,11 +129,11 @@ def test_adapter_errors_name_the_path(base_dir, tmp_path):
 def test_cli_info_generate_and_no_adapter(base_dir, shipped_for_tiny):
     runner = CliRunner()
     env = {"COLUMNS": "200"}
-    info = json.loads(runner.invoke(app, ["info", "--model", str(base_dir)], env=env).stdout)
+    info = json.loads(runner.invoke(app, ["info", "--model", str(base_dir), "--json"], env=env).stdout)
     assert info["skip_adapter"]["lora_r"] == 2 and info["skip_adapter"]["policy"] == ADAPTER_POLICY.to_dict()
     assert info["policy"] == ADAPTER_POLICY.to_dict() and "skip_adapter" not in info["skip_config"]
     assert info["skip_adapter"]["entry_bridge"] is None and info["entry_bridge"] is None  # neither folder has one
-    off = json.loads(runner.invoke(app, ["info", "--model", str(base_dir), "--no-adapter"], env=env).stdout)
+    off = json.loads(runner.invoke(app, ["info", "--model", str(base_dir), "--no-adapter", "--json"], env=env).stdout)
     assert off["skip_adapter"] is None and off["policy"] == FullPolicy(NUM_LAYERS).to_dict()
     assert off["entry_bridge"] is None
     # generate: the adapter's policy applies when no policy flag is given; --no-adapter is stock
@@ -216,3 +216,24 @@ def test_embedded_model_ships_its_2x_adapter():
     assert entry_bridge_of(stock.model) is None
     # layers 1-9 (never run by a 2x decode step) carry no delta: stock weights there
     assert torch.equal(adapted.model.model.layers[5].mlp.down_proj.weight, stock.model.model.layers[5].mlp.down_proj.weight)
+
+
+def test_cli_info_summary_is_short_and_names_adapter_and_policy(base_dir, shipped_for_tiny):
+    """Without --json, info prints a summary of the same record: a dozen lines, not the training
+    records (the shipped adapter's JSON runs to hundreds of lines)."""
+    runner = CliRunner()
+    env = {"COLUMNS": "200"}
+    res = runner.invoke(app, ["info", "--model", str(base_dir)], env=env)
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert len(lines) <= 12, lines
+    text = res.stdout
+    assert "default policy:  4 -> 2 of 6 layers over 4 tokens (warm-up 1)" in text
+    adapter = next(line for line in lines if line.startswith("skip adapter:"))
+    kb = f"{sum(f.stat().st_size for f in shipped_for_tiny.iterdir()) / 1e3:.1f} kB"
+    assert adapter.startswith(f"skip adapter:    skipdecode/skip_adapters/{shipped_for_tiny.name} (package data), {kb}")
+    assert "LoRA r=2 alpha=4" in adapter and adapter.endswith("prefill and decode, merged")
+    assert "trained by:    python benchmarks/train_adapter.py (1 min)" in text
+    assert "entry bridge:    none" in text and lines[-1].endswith("skipdecode info --json")
+    off = runner.invoke(app, ["info", "--model", str(base_dir), "--no-adapter"], env=env).stdout
+    assert "skip adapter:    none" in off and "default policy:  full depth (6 layers)" in off

@@ -161,31 +161,15 @@ def generate(
 def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the full record as JSON (training records, "
+                                 "storage, the checkpoint's skipdecode.json) instead of the summary."),
 ) -> None:
-    """Print the model's architecture, layer count, skip adapter (if merged), entry bridge (if
-    attached) and stored skip settings."""
-    sk = load_model(model, adapter=not no_adapter)
-    skip_config = {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}
-    print(dumps({"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
-                 "policy": sk.policy.to_dict(), "chat": sk.chat,
-                 "skip_adapter": sk.skip_config.get("skip_adapter"), "entry_bridge": _entry_bridge_info(sk),
-                 "skip_config": skip_config}, indent=2))
+    """Summarise the model: architecture, layer count, default policy, the schedules --speedup runs,
+    skip adapter (if merged) and entry bridge (if attached); --json prints the full record."""
+    from .info import info_lines, model_info
 
-
-def _entry_bridge_info(sk) -> dict | None:
-    """``info``'s ``entry_bridge``: the attached bridge (:mod:`skipdecode.entry_bridge`) as
-    :func:`skipdecode.skip_adapter.entry_bridge_summary` gives it, plus the folder it came from;
-    None when none is attached."""
-    from .entry_bridge import entry_bridge_of
-    from .skip_adapter import entry_bridge_summary
-
-    bridge = entry_bridge_of(sk.model)
-    if bridge is None:
-        return None
-    if sk.entry_bridge_path is None:  # attached in memory, not read from a folder
-        return {"source": bridge.source, "hidden_size": int(bridge.weight.shape[-1]),
-                "targets": {"count": len(bridge.targets), "first": bridge.targets[0], "last": bridge.targets[-1]}}
-    return {**entry_bridge_summary(sk.entry_bridge_path), "path": str(sk.entry_bridge_path)}
+    record = model_info(load_model(model, adapter=not no_adapter))
+    print(dumps(record, indent=2) if as_json else "\n".join(info_lines(record)))
 
 
 # --- further subcommands (bench, train, eval, serve) are added below ---------------------------

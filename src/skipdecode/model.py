@@ -127,9 +127,41 @@ class SkipModel:
         """Default horizon T (tokens): the checkpoint's, else 32."""
         return int(getattr(self.policy, "horizon", self.skip_config.get("horizon", 32)))
 
+    def trained_policy(self, speedup: float) -> SkipPolicy | None:
+        """The schedule this checkpoint was trained with for ``speedup`` (a ratio, e.g. 2), or None.
+
+        It is the entry of the checkpoint's ``skipdecode.json`` ``policies`` whose label is the
+        speedup as text (``format(speedup, "g")``: ``"2"``, ``"2.5"``). ``skipdecode train
+        --speedups`` writes those labels; an explicit schedule (``--max-layers/--min-layers``,
+        labelled ``"custom"``) gets one when it is installed with ``--as-speedup``
+        (:func:`skipdecode.skip_adapter.install_adapter`). None for a non-number, a speedup <= 1,
+        or a label the checkpoint does not have.
+
+        Raises:
+            ValueError: the entry is not a valid policy for this model (names the label).
+        """
+        from .policy import policy_from_dict
+
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 1 < speedup < float("inf"):
+            return None  # for_speedup reports a bad value; 1 is full depth
+        entry = (self.skip_config.get("policies") or {}).get(format(float(speedup), "g"))
+        if entry is None:
+            return None
+        try:
+            policy = policy_from_dict(entry)
+            self._check_policy(policy)
+        except ValueError as e:
+            raise ValueError(f"skipdecode.json policies[{format(float(speedup), 'g')!r}]: {e}") from None
+        return policy
+
     def policy_for(self, speedup: float | None = None, horizon: int | None = None, **fields: int) -> SkipPolicy:
-        """A policy for this model: ``speedup`` via :func:`for_speedup`, explicit ``max_layers``/
-        ``min_layers``/``warmup_layers``/``horizon`` fields, or (neither) the default policy.
+        """A policy for this model: ``speedup``, explicit ``max_layers``/``min_layers``/
+        ``warmup_layers``/``horizon`` fields, or (neither) the default policy.
+
+        A ``speedup`` resolves to the schedule the checkpoint was trained with for it
+        (:meth:`trained_policy`), unless a ``horizon`` or ``warmup_layers`` is given that differs
+        from that schedule's; otherwise to :func:`~skipdecode.policy.for_speedup` (mean budget
+        ``L / speedup`` over the horizon, METHOD.md "Target speedup").
 
         Raises:
             ValueError: invalid values (names the field).
@@ -144,6 +176,10 @@ class SkipModel:
         horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
             warmup = fields.get("warmup_layers")  # 0 is a value (no warm-up), only None means "default"
+            trained = self.trained_policy(speedup)
+            if trained is not None and (not horizon_given or horizon == getattr(trained, "horizon", horizon)) \
+                    and (warmup is None or warmup == getattr(trained, "warmup_layers", warmup)):
+                return trained
             return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
         given = {k: v for k, v in fields.items() if v is not None}
         # an explicit horizon alone re-times a linear-decay default instead of being ignored

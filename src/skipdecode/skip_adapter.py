@@ -252,9 +252,27 @@ def _nonzero_lora(tensors: dict[str, Any]) -> dict[str, Any]:
             if not any(k.startswith(m + ".lora_A.") or k.startswith(m + ".lora_B.") for m in zero)}
 
 
+def _relabel_policy(meta: dict[str, Any], as_speedup: Any, src: Path) -> dict[str, str]:
+    """Relabel ``meta``'s one trained policy as ``as_speedup`` (in place); returns ``{"from", "to"}``."""
+    import math
+
+    if isinstance(as_speedup, bool) or not isinstance(as_speedup, (int, float)) \
+            or not math.isfinite(as_speedup) or as_speedup <= 1:
+        raise ValueError(f"as_speedup must be a finite number > 1, got {as_speedup!r}")
+    policies = meta.get("policies") or {}
+    if len(policies) != 1:
+        raise AdapterError(f"{src}: as_speedup needs a run that trained one schedule; its skipdecode.json "
+                           f"policies are {sorted(policies) or 'absent'}")
+    (old, policy), = policies.items()
+    label = format(float(as_speedup), "g")
+    meta["policies"] = {label: policy}
+    return {"from": old, "to": label}
+
+
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
-                    bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None) -> Path:
+                    bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None,
+                    as_speedup: float | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
     data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
     an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
@@ -273,13 +291,19 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         bridge_format: a format of :meth:`skipdecode.entry_bridge.EntryBridge.save` (``"int8"``,
             ``"int4"``, ``"float16"``, ...).
         bridge_targets: keep only these entry layers' maps (:meth:`EntryBridge.subset`; None: all).
+        as_speedup: record the run's one trained schedule (e.g. an explicit ``--max-layers 25
+            --min-layers 5``, labelled ``"custom"``) as its schedule for this speedup (a number
+            > 1), so that ``--speedup`` / ``policy_for(speedup=...)`` resolves to it
+            (:meth:`skipdecode.model.SkipModel.trained_policy`); the old label is kept as
+            ``storage.policy_relabelled``. None: labels unchanged.
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
 
     Raises:
-        AdapterError: ``run_final`` is not a LoRA adapter folder.
-        ValueError: an unknown format.
+        AdapterError: ``run_final`` is not a LoRA adapter folder, or ``as_speedup`` is given for
+            a run that trained more than one schedule (names the labels).
+        ValueError: an unknown format, or ``as_speedup`` not a number > 1.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -293,6 +317,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     src = Path(run_final)
     if not (src / _WEIGHTS).is_file() or not (src / _CONFIG).is_file():
         raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
+    meta = read_adapter_config(src)
+    relabelled = _relabel_policy(meta, as_speedup, src) if as_speedup is not None else None
     root = Path(target_root) if target_root is not None else SHIPPED_DIR
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
@@ -323,9 +349,10 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         lora = json.loads((src / _CONFIG).read_text())
         lora["base_model_name_or_path"] = name
         (tmp / _CONFIG).write_text(json.dumps(lora, indent=2, sort_keys=True) + "\n")
-        meta = read_adapter_config(src)
         meta.pop("losses", None)
         meta["base_model"] = name
+        if relabelled is not None:
+            storage["policy_relabelled"] = relabelled
         meta["storage"] = storage
         if storage["entry_bridge"] is not None:
             meta["entry_bridge"] = shipped_bridge

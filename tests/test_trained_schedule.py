@@ -1,0 +1,114 @@
+"""``--speedup S`` runs the schedule a checkpoint was trained with for S
+(:meth:`SkipModel.trained_policy`), and ``install_adapter(as_speedup=S)`` /
+``train_adapter.py --install --as-speedup S`` records an explicit trained schedule under that label.
+Tiny llama and a tiny LoRA adapter built here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import make_model
+from skipdecode import LinearDecayPolicy, SkipModel, for_speedup, load
+from skipdecode import skip_adapter as sa
+from test_skip_adapter import NUM_LAYERS, _lora_dir
+
+# an explicit schedule (train --max-layers 5 --min-layers 2), not the one for_speedup gives for 2x (4 -> 2)
+CUSTOM = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
+
+
+def _model(tokenizer, policies):
+    return SkipModel(make_model("llama", NUM_LAYERS), tokenizer, policy=CUSTOM,
+                     skip_config={"policies": policies, "horizon": 4})
+
+
+def test_a_trained_speedup_resolves_to_its_trained_schedule(tokenizer):
+    sk = _model(tokenizer, {"2": CUSTOM.to_dict()})
+    assert for_speedup(NUM_LAYERS, 2, 4) != CUSTOM  # the test would not tell them apart otherwise
+    assert sk.trained_policy(2) == CUSTOM and sk.trained_policy(2.0) == CUSTOM
+    assert sk.policy_for(speedup=2) == CUSTOM
+    assert sk.policy_for(speedup=2, horizon=4) == CUSTOM  # the trained horizon, given explicitly
+    assert sk.policy_for(speedup=2, warmup_layers=1) == CUSTOM
+
+
+def test_other_speedups_horizons_and_warmups_fall_back_to_for_speedup(tokenizer):
+    sk = _model(tokenizer, {"2": CUSTOM.to_dict()})
+    assert sk.trained_policy(3) is None and sk.policy_for(speedup=3) == for_speedup(NUM_LAYERS, 3, 4)
+    assert sk.policy_for(speedup=2, horizon=8) == for_speedup(NUM_LAYERS, 2, 8)
+    assert sk.policy_for(speedup=2, warmup_layers=0) == for_speedup(NUM_LAYERS, 2, 4, warmup_layers=0)
+    assert sk.policy_for(speedup=1).budget(1) == NUM_LAYERS  # full depth, never a trained entry
+    # a custom label is not a speedup, and no policies at all is the old behaviour
+    assert _model(tokenizer, {"custom": CUSTOM.to_dict()}).policy_for(speedup=2) == for_speedup(NUM_LAYERS, 2, 4)
+    assert _model(tokenizer, None).policy_for(speedup=2) == for_speedup(NUM_LAYERS, 2, 4)
+    for bad in (0.5, float("nan"), True):
+        assert sk.trained_policy(bad) is None
+
+
+def test_a_broken_trained_entry_names_its_label(tokenizer):
+    wrong_depth = LinearDecayPolicy(num_layers=8, max_layers=5, min_layers=2, horizon=4).to_dict()
+    for entry, what in ((wrong_depth, "num_layers"), ({"type": "zigzag"}, "policy type")):
+        with pytest.raises(ValueError, match=rf"policies\['2'\]: .*{what}"):
+            _model(tokenizer, {"2": entry}).policy_for(speedup=2)
+
+
+@pytest.fixture(scope="module")
+def custom_run(tmp_path_factory):
+    """A finished LoRA run trained with an explicit schedule: its policies say ``custom``."""
+    path = _lora_dir(tmp_path_factory.mktemp("run") / "final", zero=False)
+    meta = json.loads((path / "skipdecode.json").read_text())
+    meta.update(policy=CUSTOM.to_dict(), policies={"custom": CUSTOM.to_dict()}, speedups=None)
+    (path / "skipdecode.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("base") / "tiny"
+    SkipModel(make_model("llama", NUM_LAYERS), tokenizer).save_pretrained(path)
+    return path
+
+
+def test_install_as_speedup_makes_speedup_run_the_trained_schedule(tmp_path, custom_run, base_dir):
+    plain = sa.install_adapter(custom_run, name="plain", target_root=tmp_path)
+    target = sa.install_adapter(custom_run, name="tiny", target_root=tmp_path, as_speedup=2)
+    meta = json.loads((target / "skipdecode.json").read_text())
+    assert meta["policies"] == {"2": CUSTOM.to_dict()}
+    assert meta["storage"]["policy_relabelled"] == {"from": "custom", "to": "2"}
+    assert "policy_relabelled" not in json.loads((plain / "skipdecode.json").read_text())["storage"]
+    relabelled = load(str(base_dir), adapter=str(target))
+    assert relabelled.policy_for(speedup=2) == CUSTOM
+    assert load(str(base_dir), adapter=str(plain)).policy_for(speedup=2) == for_speedup(NUM_LAYERS, 2, 4)
+    from skipdecode.info import info_lines, model_info  # info lists what --speedup 2 runs
+
+    assert "  --speedup 2:   5 -> 2 of 6 layers over 4 tokens (warm-up 1)" in info_lines(model_info(relabelled))
+    # what generation runs: the trained schedule's budgets, step by step
+    out = relabelled.generate(["name[The Eagle]"], policy=relabelled.policy_for(speedup=2), max_new_tokens=6)
+    assert len(out.layers_run) >= 2  # step 2 is where 5 -> 2 and for_speedup's 4 -> 2 differ (4 against 3)
+    assert out.layers_run == [CUSTOM.budget(t) for t in range(1, len(out.layers_run) + 1)]
+
+
+def test_install_as_speedup_refuses_bad_values_and_many_schedules(tmp_path, custom_run):
+    for bad in (1, 0.5, float("inf"), "2"):
+        with pytest.raises(ValueError, match="as_speedup must be a finite number > 1"):
+            sa.install_adapter(custom_run, name="x", target_root=tmp_path, as_speedup=bad)
+    two = tmp_path / "two"
+    shutil.copytree(custom_run, two)
+    meta = json.loads((two / "skipdecode.json").read_text())
+    meta["policies"] = {"2": CUSTOM.to_dict(), "3": for_speedup(NUM_LAYERS, 3, 4).to_dict()}
+    (two / "skipdecode.json").write_text(json.dumps(meta))
+    with pytest.raises(sa.AdapterError, match=r"one schedule.*\['2', '3'\]"):
+        sa.install_adapter(two, name="x", target_root=tmp_path, as_speedup=2)
+    assert not (tmp_path / "x").exists()  # nothing written on a refusal
+
+
+def test_train_adapter_as_speedup_is_checked_by_the_parser(capsys):
+    from test_recipe_study import load_script
+
+    script = load_script("train_adapter")
+    assert script.parse_args(["--install", "--as-speedup", "2"]).as_speedup == 2.0
+    for bad in ("1", "abc", "inf", "-2"):
+        with pytest.raises(SystemExit) as exc:
+            script.parse_args(["--install", "--as-speedup", bad])
+        assert exc.value.code == 2 and "--as-speedup" in capsys.readouterr().err
