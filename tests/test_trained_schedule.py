@@ -13,7 +13,7 @@ import pytest
 from conftest import make_model
 from skipdecode import LinearDecayPolicy, SkipModel, for_speedup, load
 from skipdecode import skip_adapter as sa
-from test_skip_adapter import NUM_LAYERS, _lora_dir
+from test_skip_adapter import NUM_LAYERS, _lora_dir, base_dir  # noqa: F401  (a fixture)
 
 # an explicit schedule (train --max-layers 5 --min-layers 2), not the one for_speedup gives for 2x (4 -> 2)
 CUSTOM = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
@@ -60,13 +60,6 @@ def custom_run(tmp_path_factory):
     meta = json.loads((path / "skipdecode.json").read_text())
     meta.update(policy=CUSTOM.to_dict(), policies={"custom": CUSTOM.to_dict()}, speedups=None)
     (path / "skipdecode.json").write_text(json.dumps(meta))
-    return path
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("base") / "tiny"
-    SkipModel(make_model("llama", NUM_LAYERS), tokenizer).save_pretrained(path)
     return path
 
 
