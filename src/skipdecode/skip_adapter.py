@@ -16,7 +16,7 @@ as ``training.config.base_prefill`` in its ``skipdecode.json``) is applied to de
 the base model prefills the prompt (:func:`skipdecode.lowrank.base_prefill`); the shipped one is
 decode-only. **At full depth** (``FullPolicy``, ``--speedup 1``) the model's decode steps then run
 the adapted weights, not the stock ones: full-depth answers differ from the stock model's
-(measured in ``benchmarks/results/adapter_agreement.md``); load with ``adapter=False``
+(measured in ``benchmarks/results/adapter_agreement_v10_int8bridge.md``); load with ``adapter=False``
 (``--no-adapter``) for the stock model. Merging makes decoding cost nothing extra.
 """
 
