@@ -140,18 +140,19 @@ class SkipModel:
         Raises:
             ValueError: the entry is not a valid policy for this model (names the label).
         """
-        from .policy import policy_from_dict
+        from .policy import policy_from_dict, speedup_label
 
         if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or not 1 < speedup < float("inf"):
             return None  # for_speedup reports a bad value; 1 is full depth
-        entry = (self.skip_config.get("policies") or {}).get(format(float(speedup), "g"))
+        label = speedup_label(speedup)
+        entry = (self.skip_config.get("policies") or {}).get(label)
         if entry is None:
             return None
         try:
             policy = policy_from_dict(entry)
             self._check_policy(policy)
         except ValueError as e:
-            raise ValueError(f"skipdecode.json policies[{format(float(speedup), 'g')!r}]: {e}") from None
+            raise ValueError(f"skipdecode.json policies[{label!r}]: {e}") from None
         return policy
 
     def policy_for(self, speedup: float | None = None, horizon: int | None = None, **fields: int) -> SkipPolicy:

@@ -26,6 +26,7 @@ __all__ = [
     "for_speedup",
     "policy_from_dict",
     "theoretical_speedup",
+    "speedup_label",
 ]
 
 
@@ -221,6 +222,12 @@ def for_speedup(
         warmup_layers=warmup_layers,
         horizon=horizon,
     )
+
+
+def speedup_label(speedup: float) -> str:
+    """A speedup as the label a checkpoint's ``skipdecode.json`` ``policies`` use for it:
+    ``format(float(speedup), "g")`` (2 -> ``"2"``, 2.5 -> ``"2.5"``)."""
+    return format(float(speedup), "g")
 
 
 def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:

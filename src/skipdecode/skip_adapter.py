@@ -264,7 +264,9 @@ def _relabel_policy(meta: dict[str, Any], as_speedup: Any, src: Path) -> dict[st
         raise AdapterError(f"{src}: as_speedup needs a run that trained one schedule; its skipdecode.json "
                            f"policies are {sorted(policies) or 'absent'}")
     (old, policy), = policies.items()
-    label = format(float(as_speedup), "g")
+    from .policy import speedup_label
+
+    label = speedup_label(as_speedup)
     meta["policies"] = {label: policy}
     return {"from": old, "to": label}
 

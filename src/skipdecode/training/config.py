@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from ..data import TEMPLATES
-from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup
+from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup, speedup_label
 
 __all__ = ["TrainConfig", "TrainConfigError", "build_policies", "RESUME_FIELDS", "TEACHER_FORCING_MODES", "TRAIN_SEED_MAX"]
 
@@ -422,10 +422,6 @@ RESUME_FIELDS = (
 )
 
 
-def _speedup_label(s: float) -> str:
-    return format(float(s), "g")
-
-
 def build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[tuple[str, SkipPolicy]]:
     """The ``(label, policy)`` pairs trained by ``config`` for a model of ``num_layers`` layers.
 
@@ -444,10 +440,10 @@ def build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[t
     field_of = "speedups" if config.speedups else "speedup"
     try:
         if config.speedups:
-            return [(_speedup_label(s), for_speedup(num_layers, s, horizon, warmup_layers=config.warmup_layers))
+            return [(speedup_label(s), for_speedup(num_layers, s, horizon, warmup_layers=config.warmup_layers))
                     for s in config.speedups]
         if config.speedup is not None:
-            return [(_speedup_label(config.speedup),
+            return [(speedup_label(config.speedup),
                      for_speedup(num_layers, config.speedup, horizon, warmup_layers=config.warmup_layers))]
         e_max = config.max_layers if config.max_layers is not None else num_layers
         e_min = config.min_layers if config.min_layers is not None else e_max

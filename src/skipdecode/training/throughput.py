@@ -17,7 +17,8 @@ from ..data import Example, median_response_tokens
 from ..model import SkipModel
 from ..policy import for_speedup
 from .batching import TokenizedExample, build_layer_mask, collate, tokenize_examples
-from .config import _is_int, _speedup_label
+from ..policy import speedup_label
+from .config import _is_int
 from .loss import SkipLossModule, target_logits
 
 __all__ = ["measure_throughput", "training_throughput", "ThroughputRow", "response_active_fraction"]
@@ -86,7 +87,7 @@ def measure_throughput(
     pad = model.tokenizer.pad_token_id or 0
     was_training = model.model.training
     model.model.train()
-    plans = [(_speedup_label(s), for_speedup(adapter.num_layers, float(s), horizon)) for s in speedups]
+    plans = [(speedup_label(s), for_speedup(adapter.num_layers, float(s), horizon)) for s in speedups]
     acc = {label: {"seconds": 0.0, "tokens": 0, "active": 0, "total": 0} for label, _ in plans}
     try:
         for k in range(steps + warmup_steps):  # policies interleaved step by step, so drift hits all alike
