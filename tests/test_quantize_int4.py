@@ -147,8 +147,14 @@ def _float_reference(model: nn.Module) -> nn.Module:
 
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "qwen2", "opt_proj", "gpt2"])
-def test_int4_model_logits_equal_dequantized_reference(family):
-    """Prefill shapes (batch 1 and 3) and a decode step (one token per row, with the cache)."""
+def test_int4_model_logits_equal_dequantized_reference(family, monkeypatch):
+    """Prefill shapes (batch 1 and 3) and a decode step (one token per row, with the cache). The
+    head is a plain int8 one here (the same in both models): a rescored head picks its int8
+    candidates from the preview, so a float preview would rescore other tokens
+    (tests/test_rescored_head.py covers it)."""
+    from skipdecode import quantize
+
+    monkeypatch.setitem(quantize.HEAD_MODE, "int4", "int8")
     torch.manual_seed(4)
     model = quantize_model(make_model(family), "int4")
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
@@ -200,12 +206,16 @@ def test_int4_fallback_compiled_kernels_equal_eager(monkeypatch, tokenizer):
     _kernels_equal("llama", tokenizer, "int4")
 
 
-def test_int4_keeps_an_int8_lm_head():
-    """A 4-bit head of SmolLM2's tied embedding moved the next-token distribution 26x further than
-    4-bit decoder layers did (quantize.HEAD_MODE); int4 quantizes the decoder layers only."""
+def test_int4_head_is_an_int4_preview_rescored_from_int8():
+    """A plain 4-bit head of SmolLM2's tied embedding moved the next-token distribution 26x further
+    than 4-bit decoder layers did (quantize.HEAD_MODE): int4 models get a RescoredHead (int4
+    preview, int8 candidates; tests/test_rescored_head.py), the decoder layers are all int4."""
     from skipdecode.quantize import HEAD_MODE, Int8Linear
+    from skipdecode.rescored_head import RescoredHead
 
     model = quantize_model(make_model("llama"), "int4")
-    assert HEAD_MODE["int4"] == "int8" and type(model.get_output_embeddings()) is Int8Linear
+    head = model.get_output_embeddings()
+    assert HEAD_MODE["int4"] == "int4-rescored" and type(head) is RescoredHead
+    assert type(head.preview) is Int4Linear and type(head.exact) is Int8Linear
     decoder = [m for m in model.model.layers.modules() if isinstance(m, (Int4Linear, Int8Linear, nn.Linear))]
     assert decoder and all(isinstance(m, Int4Linear) for m in decoder)

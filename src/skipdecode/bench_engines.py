@@ -159,6 +159,8 @@ def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) 
     head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is emb.weight:
         tail += emb.weight.numel() * emb.weight.element_size()  # tied float head: the whole table
+    elif head is not None and hasattr(head, "step_read_bytes"):  # int4 preview + rescored rows
+        tail += head.step_read_bytes(batch_size)
     elif head is not None:
         tail += _module_bytes(head)
     for name, module in model.named_modules():  # final norms / projections outside the layers

@@ -14,7 +14,8 @@ Schemes (the weight-only schemes of GPTQ/AWQ-style inference engines and of PyTo
   ``q = round(W / s_n)`` in [-127, 127], ``W' = q * s_n``. Each weight moves by at most
   ``s_n / 2``, so each output moves by at most ``sum_k |x_k| * s_n / 2`` (the bound the tests
   check).
-- ``int4`` (decoder-layer linears; the LM head stays int8, see :data:`HEAD_MODE`): asymmetric,
+- ``int4`` (decoder-layer linears; the LM head is an int4 preview rescored from int8, see
+  :data:`HEAD_MODE` and :mod:`skipdecode.rescored_head`): asymmetric,
   one bfloat16 step ``s`` and zero ``z`` per group of ``group_size`` (32)
   consecutive input channels, ``W' = (q - 8) * s + z`` with codes ``q`` in [0, 15] (PyTorch's int4
   kernel's convention; ``s`` about ``(max - min) / 15``, ``z = min + 8 s``; each weight moves by at
@@ -60,12 +61,14 @@ __all__ = [
 ]
 
 QUANTIZE_MODES = ("int8", "int4")
-#: The LM head's scheme under each mode. int4 keeps an int8 head: a 4-bit head of the tied
-#: 49152x576 embedding alone moved SmolLM2's next-token distribution 26x further (KL per token
-#: 0.055 against 0.0021 for int4 decoder layers; top-1 agreement 0.85 against 0.95), and turned
-#: the E2E fine-tune's greedy outputs into noise. Engines do the same: llama.cpp keeps
-#: ``output.weight`` at 6 bits in its 4-bit files, GPTQ/AWQ leave the head in float.
-HEAD_MODE = {"int8": "int8", "int4": "int8"}
+#: The LM head's scheme under each mode. A plain 4-bit head of the tied 49152x576 embedding moved
+#: SmolLM2's next-token distribution 26x further (KL per token 0.055 against 0.0021 for int4
+#: decoder layers; top-1 agreement 0.85 against 0.95) and turned the E2E fine-tune's greedy
+#: outputs into noise (engines keep the head wider: llama.cpp stores ``output.weight`` at 6 bits
+#: in its 4-bit files, GPTQ/AWQ leave it in float). So int4 uses ``"int4-rescored"``
+#: (:class:`~skipdecode.rescored_head.RescoredHead`): a 4-bit preview of every logit, whose top
+#: candidates get the int8 head's exact logits; a decode step reads the 4-bit copy only.
+HEAD_MODE = {"int8": "int8", "int4": "int4-rescored"}
 #: Input channels sharing one int4 scale and minimum.
 INT4_GROUP_SIZE = 32
 #: Eager int8: rows (batch x tokens) up to which ``_weight_int8pack_mm`` beats dequantize + GEMM.
@@ -325,8 +328,12 @@ def _quantize_children(root: nn.Module, mode: str) -> int:
     return count
 
 
-def _make(module: nn.Module, mode: str) -> _QuantLinear:
+def _make(module: nn.Module, mode: str) -> nn.Module:
     weight, bias = _linear_weight(module)
+    if mode == "int4-rescored":
+        from .rescored_head import RescoredHead
+
+        return RescoredHead(weight, bias).to(weight.device)
     if mode == "int8":
         return Int8Linear(weight, bias).to(weight.device)
     return Int4Linear(weight, bias).to(weight.device)
@@ -335,7 +342,7 @@ def _make(module: nn.Module, mode: str) -> _QuantLinear:
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | None = None) -> nn.Module:
     """Quantize the decoder layers' linears and the LM head of ``model`` in place (the head in
-    :data:`HEAD_MODE` ``[mode]``: int8 for both modes).
+    :data:`HEAD_MODE` ``[mode]``: int8 for int8, an int4 preview rescored from int8 for int4).
 
     Args:
         model: a Hugging Face ``*ForCausalLM`` with ``get_output_embeddings()``.

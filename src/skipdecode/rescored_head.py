@@ -1,0 +1,107 @@
+"""A cheap LM head for int4 models: a 4-bit preview of every logit, the top candidates rescored
+exactly from an int8 copy.
+
+The LM head of a small model is the largest single matrix a decode step reads (SmolLM2-135M:
+49152 x 576, 57 MB in int8, 14 MB in int4, against 3.5 MB in int8 for a whole decoder layer), and
+it is read at every step whatever the skip policy, so it sets how much of a policy's theoretical
+speedup reaches the wall clock. A plain 4-bit head costs too much quality (docs/quantization.md:
+top-1 agreement with float32 0.85 against 0.95 for the int8 head). :class:`RescoredHead` reads
+the 4-bit head for all ``N`` logits, keeps the ``k`` largest per row, and recomputes those ``k``
+from the int8 head's rows (``k x K`` bytes, 37 KB for k = 64). This is the preview-then-refine
+scheme of SVD-softmax (Shim et al., NeurIPS 2017, "SVD-Softmax: Fast Softmax Approximation on
+Large Vocabulary Neural Networks", Sec. 3: a cheap preview of every logit, exact logits for the
+top candidates), with a low-bit preview instead of a truncated SVD.
+
+Guarantees (tested):
+
+- the ``k`` candidate logits equal the int8 head's (``Int8Linear``) up to float32 summation order;
+  every other logit is the int4 preview's;
+- so greedy decoding picks the int8 head's token whenever that token is among the preview's top
+  ``k`` (its preview logit is within the int4 rounding of its int8 logit, and ``k`` is large
+  against the preview's rank errors: on SmolLM2 the int4 head's top-1 already agrees 85 % of the
+  time); top-k / top-p sampling with ``top_k <= k`` draws from exact int8 logits when the nucleus
+  lies inside the candidates;
+- more than :data:`RESCORE_MAX_ROWS` rows (a prefill or teacher-forced pass, compute-bound)
+  run the int8 head for every logit, so prompt logits are the int8 head's exactly.
+
+Memory: both copies are resident (int8 + int4: 57 + 15 MB for SmolLM2); a decode step reads the
+int4 copy and ``k`` int8 rows per row (:meth:`RescoredHead.step_read_bytes`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["RESCORE_CANDIDATES", "RESCORE_MAX_ROWS", "RescoredHead"]
+
+#: Candidates per row whose logits are recomputed from the int8 head.
+RESCORE_CANDIDATES = 64
+#: Rows (batch x positions) up to which the preview is used; more rows run the int8 head alone.
+RESCORE_MAX_ROWS = 64
+
+
+class RescoredHead(nn.Module):
+    """An LM head computing an int4 preview of all logits and int8 logits for the top ``k``.
+
+    Args:
+        weight: (N, K) float head weight (vocabulary x hidden), as in ``nn.Linear``.
+        bias: (N,) float bias or None.
+        candidates: k, rows' logits rescored from int8 (clamped to N); >= 1.
+
+    Submodules: ``preview`` (:class:`~skipdecode.quantize.Int4Linear`) and ``exact``
+    (:class:`~skipdecode.quantize.Int8Linear`), both of ``weight``. ``forward``: (..., K) float ->
+    (..., N) logits in the input's dtype.
+
+    Raises:
+        ValueError: ``candidates`` < 1 (names ``candidates``).
+        skipdecode.quantize.QuantizeError: K odd (int4 needs an even width).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, candidates: int = RESCORE_CANDIDATES) -> None:
+        super().__init__()
+        from .quantize import Int4Linear, Int8Linear
+
+        if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
+            raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
+        self.out_features, self.in_features = weight.shape
+        self.candidates = min(candidates, self.out_features)
+        self.preview = Int4Linear(weight, bias)
+        self.exact = Int8Linear(weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., K) -> logits (..., N): preview everywhere, int8 at each row's top ``k``."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > RESCORE_MAX_ROWS or x2.shape[0] == 0:
+            return self.exact(x)
+        logits = self.preview(x2)
+        idx = logits.topk(self.candidates, dim=-1).indices  # (M, k)
+        logits.scatter_(-1, idx, self.rescore(x2, idx))
+        return logits.reshape(*shape[:-1], self.out_features)
+
+    def rescore(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Int8 logits of the candidates: ``x`` (M, K), ``idx`` (M, k) vocabulary ids -> (M, k).
+
+        ``logit[m, j] = scale[i] * sum_c x[m, c] q[i, c] (+ bias[i])`` with ``i = idx[m, j]``, the
+        int8 head's product (:class:`~skipdecode.quantize.Int8Linear`) for those rows only.
+        """
+        rows = self.exact.weight_int8[idx].to(x.dtype)  # (M, k, K)
+        y = torch.bmm(rows, x[:, :, None]).squeeze(-1) * self.exact.scale.to(x.dtype)[idx]
+        if self.exact.bias is not None:
+            y = y + self.exact.bias.to(x.dtype)[idx]
+        return y
+
+    def step_read_bytes(self, rows: int) -> int:
+        """Bytes one decode step of ``rows`` rows reads from this head: the whole int4 preview
+        (codes, scales and zeros, bias) plus ``k`` int8 rows and their scales per row."""
+        preview = sum(t.numel() * t.element_size() for t in [*self.preview.buffers(), *self.preview.parameters()])
+        per_row = self.in_features + self.exact.scale.element_size()
+        return preview + rows * self.candidates * per_row
+
+    def dequantized(self) -> torch.Tensor:
+        """The int8 head's weight (N, K) float: the logits the candidates get (see module doc)."""
+        return self.exact.dequantized()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, candidates={self.candidates}"

@@ -1,0 +1,100 @@
+"""RescoredHead (skipdecode.rescored_head): an int4 preview of every logit, int8 logits for the
+top-k candidates; the LM head of int4 models (quantize.HEAD_MODE["int4"])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skipdecode import quantize
+from skipdecode.model import SkipModel
+from skipdecode.quantize import Int4Linear, Int8Linear, quantize_model, resident_bytes
+from skipdecode.rescored_head import RESCORE_MAX_ROWS, RescoredHead
+
+from conftest import make_model
+
+
+def _head(n: int = 512, k: int = 64, candidates: int = 16, bias: bool = False) -> RescoredHead:
+    torch.manual_seed(0)
+    return RescoredHead(torch.randn(n, k) * 0.1, torch.randn(n) * 0.1 if bias else None, candidates=candidates)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_candidates_get_int8_logits_and_the_rest_the_preview(bias):
+    head = _head(bias=bias)
+    x = torch.randn(5, 64)
+    out, preview, exact = head(x), head.preview(x), head.exact(x)
+    idx = preview.topk(head.candidates, dim=-1).indices
+    assert torch.allclose(out.gather(-1, idx), exact.gather(-1, idx), rtol=1e-5, atol=1e-6)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter_(-1, idx, False)
+    assert torch.equal(out[rest], preview[rest])
+    # the preview is the 4-bit weight's product, not the int8 one: rescoring changes the values
+    assert not torch.allclose(preview.gather(-1, idx), exact.gather(-1, idx), atol=1e-6)
+
+
+def test_greedy_pick_is_the_int8_heads():
+    """With the int8 argmax inside the preview's top k, the argmax is the int8 head's; the plain
+    int4 head alone disagrees with it on some rows of this draw."""
+    head = _head(n=2048, candidates=64)
+    x = torch.randn(64, 64)
+    exact = head.exact(x).argmax(-1)
+    assert torch.equal(head(x).argmax(-1), exact)
+    assert not torch.equal(head.preview(x).argmax(-1), exact)
+
+
+def test_many_rows_run_the_int8_head_alone():
+    head = _head()
+    x = torch.randn(RESCORE_MAX_ROWS + 1, 64)
+    assert torch.equal(head(x), head.exact(x))
+    x3 = torch.randn(2, 3, 64)  # (B, T, K) keeps its leading shape
+    assert head(x3).shape == (2, 3, 512)
+    assert torch.allclose(head(x3)[1, 2], head(x3[1, 2:3])[0], rtol=1e-5, atol=1e-6)  # row by row
+
+
+def test_candidates_validation_and_clamp():
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="candidates must be an integer >= 1"):
+            RescoredHead(torch.randn(32, 16), candidates=bad)
+    assert RescoredHead(torch.randn(32, 16), candidates=100).candidates == 32
+    head = RescoredHead(torch.randn(32, 16), candidates=100)
+    x = torch.randn(1, 16)
+    assert torch.allclose(head(x), head.exact(x), rtol=1e-5, atol=1e-6)  # every logit rescored
+
+
+def test_step_read_bytes_counts_the_preview_and_the_candidate_rows():
+    head = _head(n=512, k=64, candidates=16)
+    preview = sum(t.numel() * t.element_size() for t in head.preview.buffers())
+    assert head.step_read_bytes(1) == preview + 16 * (64 + 4)
+    assert head.step_read_bytes(8) - head.step_read_bytes(1) == 7 * 16 * (64 + 4)
+    assert head.step_read_bytes(1) < resident_bytes(head)["total"]  # the int8 copy is not read
+
+
+def test_int4_model_decodes_as_with_an_int8_head(tokenizer, monkeypatch):
+    """Greedy tokens (a 2x skip plan included) equal those of the same int4 model with a plain
+    int8 head, and the step's logits agree at the chosen tokens."""
+    prompts = ["The Eagle is", "Summarize the article. The quick"]
+    ref_model = make_model("llama")
+    model = make_model("llama")
+    model.load_state_dict(ref_model.state_dict())
+    monkeypatch.setitem(quantize.HEAD_MODE, "int4", "int8")
+    ref = SkipModel(quantize_model(ref_model, "int4"), tokenizer)
+    monkeypatch.undo()
+    sk = SkipModel(quantize_model(model, "int4"), tokenizer)
+    assert type(ref.model.get_output_embeddings()) is Int8Linear
+    assert type(sk.model.get_output_embeddings()) is RescoredHead
+    for policy in (None, sk.policy_for(speedup=2.0, horizon=4)):
+        a = sk.generate(prompts, max_new_tokens=8, policy=policy)
+        b = ref.generate(prompts, max_new_tokens=8, policy=policy)
+        assert a.token_ids == b.token_ids
+
+
+def test_int4_head_works_on_the_dequantizing_fallback():
+    """Without PyTorch's int4 kernel the preview falls back to its own layout; same guarantees."""
+    torch.manual_seed(1)
+    w = torch.randn(256, 64) * 0.1
+    head = RescoredHead(w, candidates=8)
+    head.preview = Int4Linear(w, kernel=False)
+    x = torch.randn(3, 64)
+    idx = F.linear(x, head.preview.dequantized()).topk(8, dim=-1).indices
+    assert torch.allclose(head(x).gather(-1, idx), head.exact(x).gather(-1, idx), rtol=1e-5, atol=1e-6)
