@@ -53,7 +53,7 @@ def generate(
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="Text file, one prompt per line (added to the batch)."),
     speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (paper Sec. 3; docs/design.md)."),
     max_layers: Optional[int] = typer.Option(None, "--max-layers", help="e_max: layers at step 0 of the decay."),
-    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default with --max-layers alone: = max, a constant budget)."),
+    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default: the floor of the model's own policy, e.g. its skip adapter's; without one, = --max-layers, a constant budget)."),
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
