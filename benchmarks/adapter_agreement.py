@@ -155,6 +155,22 @@ def _speedup_list(text: str) -> list[float]:
     return values
 
 
+def _schedule_list(text: str) -> list[tuple[int, int]]:
+    """``"25:7,25:9"`` as ``[(25, 7), (25, 9)]`` (max:min layers, the adapter's horizon; "" gives
+    none); argparse reports the error with the option's name. The model's own checks (bounds within
+    its layers) run when the policy is built."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) < int(parts[1]):
+            raise argparse.ArgumentTypeError(
+                f"takes comma-separated MAX:MIN layer pairs with MAX >= MIN >= 1, e.g. 25:7,25:9; got {text!r}")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
     ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
@@ -166,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                          "schedule for S, else for_speedup; '' for none)")
     ap.add_argument("--trained-policy", action="store_true",
                     help="also measure the adapted model under its checkpoint's own trained schedule")
+    ap.add_argument("--schedules", default="", type=_schedule_list,
+                    help="also measure the adapted model under these linear decays, MAX:MIN layers over the "
+                         "adapter's horizon (e.g. 25:7,25:9: the trained 25 -> 5 with a higher floor)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
     ap.add_argument("--split", choices=["heldout", "train"], default="heldout",
                     help="prompt split to measure on; train: a seeded sample of --train-sample training prompts "
@@ -235,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         p = adapted.policy
         label = f"trained {p.max_layers}->{p.min_layers}" if hasattr(p, "max_layers") else "trained (full)"
         configs.append((adapted_name, label, adapted, p, None))
+    for hi, lo in args.schedules:  # explicit decays, e.g. the trained schedule with a higher floor
+        try:
+            p = adapted.policy_for(max_layers=hi, min_layers=lo)
+        except ValueError as e:
+            ap.error(f"--schedules {hi}:{lo}: {e}")
+        configs.append((adapted_name, f"{hi}->{lo}", adapted, p, None))
     configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
 
     rows, ref = [], None

@@ -65,3 +65,15 @@ def test_limit_below_one_is_refused_before_any_loading(script, capsys):
     with pytest.raises(SystemExit) as exc:
         script.main(["--limit", "0"])
     assert exc.value.code == 2 and "--limit must be >= 1" in capsys.readouterr().err
+
+
+def test_schedules_option_parses_and_refuses_bad_values(script, capsys):
+    """``--schedules`` takes MAX:MIN pairs with MAX >= MIN >= 1, "" for none; anything else exits 2
+    naming the option, before any model loads."""
+    assert script._schedule_list("25:7, 25:9") == [(25, 7), (25, 9)]
+    assert script._schedule_list("") == []
+    for bad in ("25", "7:25", "25:0", "a:b", "25:7:32"):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--schedules", bad])
+        assert exc.value.code == 2
+        assert "argument --schedules: takes comma-separated MAX:MIN layer pairs" in capsys.readouterr().err
