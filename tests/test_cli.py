@@ -210,6 +210,15 @@ def test_directory_without_checkpoint_exits_2(runner, tmp_path):
     assert "config.json" in squash(res.output)
 
 
+def test_blank_prompt_argument_exits_2_naming_it_before_loading(runner, tmp_path):
+    """The second of two prompts blank: exit 2 naming PROMPT 2 (1-based, as typed), before the
+    model loads (the model path does not exist, yet the prompt is what the error is about)."""
+    res = invoke(runner, ["generate", "The Eagle", "  ", "--model", str(tmp_path / "no_such_model"), "-n", "3"])
+    assert res.exit_code == 2, res.output
+    assert squash("PROMPT 2 is empty (of 2 given as arguments)") in squash(res.output)
+    assert "Traceback" not in res.output and "prompts[1]" not in res.output
+
+
 def test_missing_prompts_file_exits_2(runner, random_dir, tmp_path):
     res = invoke(runner, ["generate", "--model", str(random_dir), "--prompts-file", str(tmp_path / "nope.txt")])
     assert res.exit_code == 2
@@ -238,7 +247,7 @@ def test_no_prompt_exits_2(runner, random_dir):
 def test_blank_prompt_exits_2(runner, random_dir):
     res = invoke(runner, ["generate", "   ", "--model", str(random_dir), "-n", "2"])
     assert res.exit_code == 2, res.output
-    assert "prompts[0]" in squash(res.output) and "Traceback" not in res.output
+    assert squash("PROMPT 1 is empty") in squash(res.output) and "Traceback" not in res.output
 
 
 def test_non_numeric_option_exits_2(runner, random_dir):

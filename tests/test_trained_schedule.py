@@ -73,9 +73,14 @@ def test_install_as_speedup_makes_speedup_run_the_trained_schedule(tmp_path, cus
     relabelled = load(str(base_dir), adapter=str(target))
     assert relabelled.policy_for(speedup=2) == CUSTOM
     assert load(str(base_dir), adapter=str(plain)).policy_for(speedup=2) == for_speedup(NUM_LAYERS, 2, 4)
-    from skipdecode.info import info_lines, model_info  # info lists what --speedup 2 runs
+    from skipdecode.info import describe_policy, info_lines, model_info  # info lists what --speedup 2 runs
 
-    assert "  --speedup 2:   5 -> 2 of 6 layers over 4 tokens (warm-up 1)" in info_lines(model_info(relabelled))
+    lines = info_lines(model_info(relabelled))
+    assert "  --speedup 2:   5 -> 2 of 6 layers over 4 tokens (warm-up 1)" in lines
+    # the other targets run the generic schedule, said as such (for_speedup(6, 3, 4) is 3 -> 2)
+    generic = describe_policy(for_speedup(NUM_LAYERS, 3, 4).to_dict(), NUM_LAYERS)
+    assert f"  --speedup 3:   {generic} (generic; not trained for)" in lines
+    assert not any(line.startswith("  --speedup 2:") and "generic" in line for line in lines)
     # what generation runs: the trained schedule's budgets, step by step
     out = relabelled.generate(["name[The Eagle]"], policy=relabelled.policy_for(speedup=2), max_new_tokens=6)
     assert len(out.layers_run) >= 2  # step 2 is where 5 -> 2 and for_speedup's 4 -> 2 differ (4 against 3)

@@ -84,6 +84,9 @@ def generate(
         all_prompts += from_file
     if not all_prompts:
         fail("give at least one prompt (argument) or --prompts-file")
+    blank = [i + 1 for i, p in enumerate(prompts or []) if not p.strip()]
+    if blank:  # before the model loads; the library's message would name prompts[i] (0-based)
+        fail(f"PROMPT {blank[0]} is empty (of {len(prompts)} given as arguments): every prompt must hold text")
     from .generate import generate as run_generate
 
     sampling = sampling_from_options(temperature, top_k, top_p, seed)

@@ -32,13 +32,14 @@ def _entry_bridge_info(sk: Any) -> dict | None:
 
 def model_info(sk: Any) -> dict[str, Any]:
     """The full record of ``skipdecode info --json`` for the :class:`~skipdecode.model.SkipModel`
-    ``sk``: ``source``, ``model_type``, ``num_layers`` (layers), ``policy`` (its ``to_dict()``),
+    ``sk``: ``source``, ``model_type``, ``num_layers`` (layers), ``policy`` (its ``to_dict()``), ``horizon`` (tokens: the
+    default horizon ``--speedup`` schedules use),
     ``chat``, ``quantize`` (``"int8"``/``"int4"`` or None), ``dtype`` (of the float weights, e.g.
     ``"float32"``), ``skip_adapter`` (None without one),
     ``entry_bridge`` (None without one) and ``skip_config`` (the checkpoint's ``skipdecode.json``
     without the ``skip_adapter`` entry, which is reported on its own)."""
     return {"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
-            "policy": sk.policy.to_dict(), "chat": sk.chat, "quantize": sk.quantize,
+            "policy": sk.policy.to_dict(), "horizon": sk.horizon, "chat": sk.chat, "quantize": sk.quantize,
             "dtype": str(getattr(sk.model, "dtype", "")).replace("torch.", ""),
             "skip_adapter": sk.skip_config.get("skip_adapter"), "entry_bridge": _entry_bridge_info(sk),
             "skip_config": {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}}
@@ -92,10 +93,39 @@ def _bridge_line(bridge: dict[str, Any] | None) -> str:
     return f"entry bridge:    layer {bridge.get('source')} -> entry layers {span}" + "".join(f", {e}" for e in extra)
 
 
+#: The paper's targets (METHOD.md "Target speedup") that ``info`` spells out when the checkpoint
+#: has no trained schedule for them.
+GENERIC_SPEEDUPS = (2, 3, 5)
+
+
+def _generic_lines(record: dict[str, Any], trained: dict[str, Any]) -> list[str]:
+    """Lines for the :data:`GENERIC_SPEEDUPS` without a trained schedule: what ``--speedup S``
+    runs for them, :func:`skipdecode.policy.for_speedup` over the record's ``horizon`` (tokens;
+    :attr:`skipdecode.model.SkipModel.horizon`), marked "not
+    trained for" when the model has trained schedules or an adapter; none for a model too shallow
+    for a speedup."""
+    from .policy import for_speedup, speedup_label
+
+    L = record["num_layers"]
+    horizon = record.get("horizon") or 32
+    note = " (generic; not trained for)" if trained or record.get("skip_adapter") else " (generic)"
+    lines = []
+    for s in GENERIC_SPEEDUPS:
+        if speedup_label(s) in trained:
+            continue
+        try:
+            policy = for_speedup(L, s, horizon).to_dict()
+        except ValueError:  # too few layers for this speedup
+            continue
+        lines.append(f"  {f'--speedup {s}:':<14} {describe_policy(policy, L)}{note}")
+    return lines
+
+
 def info_lines(record: dict[str, Any]) -> list[str]:
     """The short summary of a :func:`model_info` record, one string per line: model, architecture,
     default policy, the schedules ``--speedup S`` runs because the checkpoint was trained with them
-    (:meth:`skipdecode.model.SkipModel.trained_policy`), skip adapter, entry bridge, and a last line
+    (:meth:`skipdecode.model.SkipModel.trained_policy`), the generic ones it runs for the other
+    targets of 2, 3 and 5 (:func:`_generic_lines`), skip adapter, entry bridge, and a last line
     pointing at ``--json``."""
     L = record["num_layers"]
     config = record.get("skip_config") or {}
@@ -107,6 +137,7 @@ def info_lines(record: dict[str, Any]) -> list[str]:
     for label, policy in trained.items():
         name = f"--speedup {label}" if label.replace(".", "", 1).isdigit() else f"trained ({label})"
         lines.append(f"  {name + ':':<14} {describe_policy(policy, L)}")
+    lines += _generic_lines(record, trained)
     lines += _adapter_lines(record.get("skip_adapter"))
     lines.append(_bridge_line(record.get("entry_bridge")))
     lines.append("full record:     skipdecode info --json")
