@@ -304,6 +304,8 @@ def test_n_above_one_is_refused(client):
         ({"max_layers": 99}, "max_layers", ["[1, 6]"]),
         ({"max_layers": 4, "min_layers": 2, "warmup_layers": 3}, "warmup_layers", ["min_layers"]),
         ({"horizon": 0}, "horizon", []),
+        ({"full_depth_steps": -1}, "full_depth_steps", []),
+        ({"full_depth_steps": 1.5}, "full_depth_steps", ["integer"]),
         ({"speedup": 2, "max_layers": 4}, "speedup", ["not both"]),
     ],
 )
@@ -315,6 +317,19 @@ def test_bad_fields_are_named_before_the_engine_runs(sk, body, param, words, mon
     app = TestClient(create_app(sk, "tiny"), raise_server_exceptions=False)
     assert_400(post(app, "/v1/completions", {"prompt": "x", **body}), param, *words)
     assert_400(post(app, "/v1/chat/completions", {"messages": MSGS, **body}), param, *words)
+
+
+def test_full_depth_steps_reach_the_requests_policy(sk):
+    """``full_depth_steps`` with a schedule or a speedup: the request's policy runs that many
+    full-depth first steps, then its decay from the start."""
+    from skipdecode.protocol import CompletionRequest
+
+    for extra in ({"max_layers": 4, "min_layers": 2}, {"speedup": 2}):
+        body = {"prompt": "x", "max_tokens": 1, "full_depth_steps": 3, **extra}
+        policy = validate_request(CompletionRequest.model_validate(body), sk, "tiny").policy
+        plain = validate_request(CompletionRequest.model_validate({**body, "full_depth_steps": 0}), sk, "tiny").policy
+        assert [policy.budget(t) for t in (1, 2, 3)] == [sk.num_layers] * 3
+        assert policy.active_layers(4) == plain.active_layers(1) and plain.budget(1) < sk.num_layers
 
 
 def test_sampling_params_take_the_servers_seed_range():

@@ -25,13 +25,14 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def check_policy_options(speedup, max_layers, min_layers, horizon) -> None:
+def check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps=None) -> None:
     """The policy options' checks that need no model, run before the model loads (seconds
     earlier than :func:`resolve_policy`); the same messages as the library's.
 
     Raises:
         typer.Exit: (2, via :func:`fail`) a ``--speedup`` that is not a finite number >= 1, both
-            kinds of schedule, or a ``--max-layers``/``--min-layers``/``--horizon`` below 1.
+            kinds of schedule, a ``--max-layers``/``--min-layers``/``--horizon`` below 1, or a
+            ``--full-depth-steps`` below 0.
     """
     import math
 
@@ -42,21 +43,25 @@ def check_policy_options(speedup, max_layers, min_layers, horizon) -> None:
     for name, value in (("--max-layers", max_layers), ("--min-layers", min_layers), ("--horizon", horizon)):
         if value is not None and value < 1:
             fail(f"{name} must be >= 1, got {value}")
+    if full_depth_steps is not None and full_depth_steps < 0:
+        fail(f"--full-depth-steps must be >= 0, got {full_depth_steps}")
 
 
-def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon):
-    """Policy from CLI flags (speedup or explicit bounds), else the checkpoint's; exits on error
-    (the model-free checks of :func:`check_policy_options` first, then the model's)."""
-    check_policy_options(speedup, max_layers, min_layers, horizon)
+def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps=None):
+    """Policy from CLI flags (speedup or explicit bounds, ``full_depth_steps`` with either), else the
+    checkpoint's; exits on error (the model-free checks of :func:`check_policy_options` first, then
+    the model's, e.g. ``--full-depth-steps must be >= 0``)."""
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    fields = (max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     try:
-        if speedup is not None or any(v is not None for v in (max_layers, min_layers, warmup_layers, horizon)):
+        if speedup is not None or any(v is not None for v in fields):
             return model.policy_for(
                 speedup=speedup, horizon=horizon, max_layers=max_layers, min_layers=min_layers,
-                warmup_layers=warmup_layers,
+                warmup_layers=warmup_layers, full_depth_steps=full_depth_steps,
             )
         return model.policy
     except ValueError as e:
-        fail(_as_option(str(e), ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon")))
+        fail(_as_option(str(e), ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")))
 
 
 def _as_option(message: str, fields: tuple[str, ...]) -> str:

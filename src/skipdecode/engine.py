@@ -29,7 +29,7 @@ import torch
 
 from .adapters import Adapter
 from .cache import SkipCache, SlotCache
-from .lowrank import base_prefill
+from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
@@ -371,10 +371,11 @@ class Engine:
         mask = (torch.arange(K)[None, :] <= positions[:, None]).long()
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
         view = self.cache.view(slots, positions, K)
-        logits = skip_forward(
-            self.adapter, tokens.to(self.device), mask.to(self.device),
-            row_layers=row_layers, cache=view,
-        )[:, -1]
+        with base_rows(self.adapter.model, row_layers.all(dim=1)):  # full-depth rows: the base model's weights
+            logits = skip_forward(
+                self.adapter, tokens.to(self.device), mask.to(self.device),
+                row_layers=row_layers, cache=view,
+            )[:, -1]
         for i, r in enumerate(rows):
             r.length += 1
             r.layers_run.append(counts[i])

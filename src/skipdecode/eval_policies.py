@@ -28,7 +28,8 @@ def policy_summary(policy: Any) -> str:
     if isinstance(policy, FullPolicy):
         return f"full ({policy.num_layers} layers)"
     if isinstance(policy, LinearDecayPolicy):
-        return (f"linear {policy.max_layers}->{policy.min_layers} over {policy.horizon} steps, "
+        first = f"{policy.full_depth_steps} full-depth steps, then " if policy.full_depth_steps else ""
+        return (f"{first}linear {policy.max_layers}->{policy.min_layers} over {policy.horizon} steps, "
                 f"warm-up {policy.warmup_layers}")
     d = policy.to_dict() if hasattr(policy, "to_dict") else dict(policy)
     if d.get("type") == "calm":

@@ -29,6 +29,7 @@ import torch
 
 from .adapters import Adapter
 from .cache import SkipCache, SlotView
+from .lowrank import narrow_rows
 
 __all__ = [
     "positions_from_mask", "build_attention_mask", "build_row_attention_mask", "layer_attention_masks", "skip_forward",
@@ -139,7 +140,8 @@ def _run_layer_on_rows(
         return adapter.run_layer(layer_idx, hidden, mask4d, view, extra)
     rows = rows.to(hidden.device)
     sub_extra = {k: _take_rows(v, rows, B) for k, v in extra.items()}
-    out = adapter.run_layer(layer_idx, hidden.index_select(0, rows), mask4d.index_select(0, rows), view, sub_extra)
+    with narrow_rows(adapter.model, rows):  # a skip adapter's base-model rows (lowrank.base_rows), gathered too
+        out = adapter.run_layer(layer_idx, hidden.index_select(0, rows), mask4d.index_select(0, rows), view, sub_extra)
     return hidden.index_copy(0, rows, out)
 
 

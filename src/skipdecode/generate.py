@@ -9,6 +9,7 @@ step (rule 1). Finished rows are frozen: they are fed the pad token and emit not
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
@@ -159,7 +160,9 @@ def generate_step(
         else:
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-            logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
+            # a step that runs every layer runs the base model (a decode-only skip adapter is for skipping)
+            with base_prefill(adapter.model) if len(active) == adapter.num_layers else nullcontext():
+                logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
         next_tokens = sample_rows(samplers, logits, all_ids)
         emitted = ~finished
         next_tokens = torch.where(emitted, next_tokens, torch.full_like(next_tokens, pad_token_id))

@@ -47,12 +47,15 @@ def model_info(sk: Any) -> dict[str, Any]:
 
 def describe_policy(policy: dict[str, Any] | None, num_layers: int) -> str:
     """A policy dict (``SkipPolicy.to_dict()``) in words: ``"21 -> 9 of 30 layers over 32 tokens
-    (warm-up 1)"`` for linear decay (METHOD.md Sec. 3), ``"full depth (30 layers)"`` for full depth,
+    (warm-up 1)"`` for linear decay (prefixed ``"2 full-depth steps, then "`` with
+    ``full_depth_steps``) (METHOD.md Sec. 3), ``"full depth (30 layers)"`` for full depth,
     else the dict as text."""
     if not policy or policy.get("type") == "full":
         return f"full depth ({num_layers} layers)"
     if policy.get("type") == "linear_decay":
-        return (f"{policy['max_layers']} -> {policy['min_layers']} of {num_layers} layers over "
+        first = (f"{policy['full_depth_steps']} full-depth steps, then "
+                 if policy.get("full_depth_steps") else "")
+        return (f"{first}{policy['max_layers']} -> {policy['min_layers']} of {num_layers} layers over "
                 f"{policy['horizon']} tokens (warm-up {policy['warmup_layers']})")
     return str(policy)
 

@@ -15,6 +15,14 @@ prompt and the adapter runs on decode steps only. Every wrapper of a model share
 wrapper around weights the delta was merged into (float32, int8) subtracts it again,
 ``y = (W + s B A) x - s B (A x)``, so decoding keeps the merged weights' speed and only the
 prefill (compute-bound, many tokens) pays the two thin products.
+
+**Decode steps that run every layer run the base model too** (a decode-only adapter is for
+skipping): the static loop enters :func:`base_prefill` for such a step, and an in-flight step whose
+rows mix full-depth and skipping plans marks its full-depth rows with :func:`base_rows` (the
+wrappers then take the delta out of those rows only, :func:`narrow_rows` following the rows a
+layer runs on). So a policy's full-depth first steps
+(:attr:`skipdecode.policy.LinearDecayPolicy.full_depth_steps`) write the base model's own tokens,
+and a full-depth request to a model with a skip adapter gets the base model's answer.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LowRankLinear", "PrefillSwitch", "base_prefill", "has_decode_only_adapter", "read_lora", "attach_lora",
+__all__ = ["LowRankLinear", "PrefillSwitch", "base_prefill", "base_rows", "narrow_rows", "has_decode_only_adapter", "read_lora", "attach_lora",
            "LoraFormatError", "LORA_WEIGHTS", "PACKED_LORA_WEIGHTS", "lora_weights_file", "read_lora_tensors"]
 
 #: attribute of the HF model that holds its decode-only adapter's :class:`PrefillSwitch`
@@ -50,10 +58,12 @@ class LoraFormatError(ValueError):
 
 class PrefillSwitch:
     """Shared by the :class:`LowRankLinear` wrappers of one model: ``base`` is True while the base
-    model runs (a decode-only adapter's prefill, :func:`base_prefill`)."""
+    model runs (a decode-only adapter's prefill, :func:`base_prefill`); ``rows``, a (n,) bool
+    tensor or None, marks the rows of the current call that run the base model (:func:`base_rows`)."""
 
     def __init__(self) -> None:
         self.base = False
+        self.rows: torch.Tensor | None = None
 
 
 class LowRankLinear(nn.Module):
@@ -101,10 +111,23 @@ class LowRankLinear(nn.Module):
         res = torch.addmm(flat, xa.reshape(-1, xa.shape[-1]), self.lora_B.t(), alpha=sign * self.scaling)
         return res.reshape(out.shape).to(out.dtype)
 
+    def _row_delta(self, out: torch.Tensor, x: torch.Tensor, base_rows: torch.Tensor) -> torch.Tensor:
+        """``out`` (n, ..., out_features) plus the delta on the rows that keep the adapter: rows
+        where ``base_rows`` (n,) is set get the base model's output (merged: the delta taken out;
+        unmerged: none added)."""
+        if base_rows.shape[0] != x.shape[0]:
+            raise RuntimeError(f"base rows mark {base_rows.shape[0]} rows, the call has {x.shape[0]}")
+        keep = (~base_rows).to(device=x.device, dtype=self.lora_A.dtype)
+        weight = keep - 1.0 if self.merged else keep  # merged: -1 on base rows; unmerged: +1 on the others
+        xa = F.linear(x.to(self.lora_A.dtype), self.lora_A) * weight.view(-1, *([1] * (x.dim() - 1)))
+        return (out.to(self.lora_B.dtype) + self.scaling * F.linear(xa, self.lora_B)).to(out.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) -> (..., out_features): base plus the delta, or the base model's
-        output while a decode-only adapter's switch is on."""
+        output while a decode-only adapter's switch is on (for the rows it marks, if it marks rows)."""
         base_only = self.switch is not None and self.switch.base
+        if not base_only and self.switch is not None and self.switch.rows is not None:
+            return self._row_delta(self.base(x), x, self.switch.rows)
         if self.merged:
             return self._plus_delta(self.base(x), x, -1.0) if base_only else self.base(x)
         return self.base(x) if base_only else self._plus_delta(self.base(x), x, 1.0)
@@ -124,6 +147,44 @@ def base_prefill(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         switch.base = False
+
+
+@contextmanager
+def base_rows(model: nn.Module, rows: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the rows of ``model``'s calls marked in ``rows`` ((B,) bool) run the base
+    model when it carries a decode-only adapter: all of them (:func:`base_prefill`), none (nothing
+    changes), or some (the wrappers take the delta out of those rows, :meth:`LowRankLinear._row_delta`;
+    a layer run on a subset of the rows must enter :func:`narrow_rows`). Without such an adapter,
+    or already inside :func:`base_prefill`, it does nothing."""
+    switch = getattr(model, SWITCH_ATTR, None)
+    if switch is None or switch.base or not bool(rows.any()):
+        yield
+        return
+    if bool(rows.all()):
+        with base_prefill(model):
+            yield
+        return
+    saved, switch.rows = switch.rows, rows.to(torch.bool)
+    try:
+        yield
+    finally:
+        switch.rows = saved
+
+
+@contextmanager
+def narrow_rows(model: nn.Module, index: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the rows marked by :func:`base_rows` are those of ``index`` (n,) (the
+    rows a layer runs on, gathered in that order); nothing changes when none are marked."""
+    switch = getattr(model, SWITCH_ATTR, None)
+    if switch is None or switch.rows is None:
+        yield
+        return
+    saved = switch.rows
+    switch.rows = saved.index_select(0, index.to(saved.device))
+    try:
+        yield
+    finally:
+        switch.rows = saved
 
 
 def has_decode_only_adapter(model: nn.Module) -> bool:

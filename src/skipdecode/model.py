@@ -157,7 +157,8 @@ class SkipModel:
 
     def policy_for(self, speedup: float | None = None, horizon: int | None = None, **fields: int) -> SkipPolicy:
         """A policy for this model: ``speedup``, explicit ``max_layers``/``min_layers``/
-        ``warmup_layers``/``horizon`` fields, or (neither) the default policy.
+        ``warmup_layers``/``full_depth_steps``/``horizon`` fields (the others kept from a
+        linear-decay default policy), or (neither) the default policy.
 
         A ``speedup`` resolves to the schedule the checkpoint was trained with for it
         (:meth:`trained_policy`), unless a ``horizon`` or ``warmup_layers`` is given that differs
@@ -176,12 +177,8 @@ class SkipModel:
             raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
         horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
-            warmup = fields.get("warmup_layers")  # 0 is a value (no warm-up), only None means "default"
-            trained = self.trained_policy(speedup)
-            if trained is not None and (not horizon_given or horizon == getattr(trained, "horizon", horizon)) \
-                    and (warmup is None or warmup == getattr(trained, "warmup_layers", warmup)):
-                return trained
-            return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
+            return self._with_full_depth_steps(self._for_speedup(speedup, horizon, horizon_given, fields),
+                                               fields.get("full_depth_steps"))
         given = {k: v for k, v in fields.items() if v is not None}
         # an explicit horizon alone re-times a linear-decay default instead of being ignored
         if given or (horizon_given and isinstance(self.policy, LinearDecayPolicy)):
@@ -190,13 +187,14 @@ class SkipModel:
                 "max_layers": base.max_layers if base else self.num_layers,
                 "min_layers": base.min_layers if base else self.num_layers,
                 "warmup_layers": base.warmup_layers if base else 1,
+                "full_depth_steps": base.full_depth_steps if base else 0,
             }
             params.update(given)
             if "min_layers" not in given and params["min_layers"] > params["max_layers"]:
                 params["min_layers"] = params["max_layers"]  # --max-layers alone: a constant budget
             if base is None and "max_layers" not in given and "min_layers" not in given:
                 raise ValueError(
-                    "warmup_layers alone gives no skipping on a full-depth model: add speedup or "
+                    f"{'/'.join(given)} alone gives no skipping on a full-depth model: add speedup or "
                     "max_layers/min_layers"
                 )
             return LinearDecayPolicy(num_layers=self.num_layers, horizon=horizon, **params)
@@ -205,6 +203,28 @@ class SkipModel:
                 "horizon alone gives no skipping on a full-depth model: add speedup or max_layers/min_layers"
             )
         return self.policy
+
+    def _for_speedup(self, speedup: float, horizon: int, horizon_given: bool, fields: dict) -> SkipPolicy:
+        """:meth:`policy_for`'s ``speedup`` case: the trained schedule for it when the horizon and
+        warm-up agree with it, else :func:`~skipdecode.policy.for_speedup`."""
+        warmup = fields.get("warmup_layers")  # 0 is a value (no warm-up), only None means "default"
+        trained = self.trained_policy(speedup)
+        if trained is not None and (not horizon_given or horizon == getattr(trained, "horizon", horizon)) \
+                and (warmup is None or warmup == getattr(trained, "warmup_layers", warmup)):
+            return trained
+        return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
+
+    @staticmethod
+    def _with_full_depth_steps(policy: SkipPolicy, k: int | None) -> SkipPolicy:
+        """``policy`` with ``full_depth_steps = k`` when ``k`` is given and it is a linear decay
+        (a full-depth policy has nothing to add). Raises ValueError for a bad ``k``."""
+        from dataclasses import replace
+
+        from .policy import LinearDecayPolicy
+
+        if k is None or not isinstance(policy, LinearDecayPolicy):
+            return policy
+        return replace(policy, full_depth_steps=k)
 
     def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:
         policy = policy or self.policy

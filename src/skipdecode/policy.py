@@ -111,6 +111,13 @@ class LinearDecayPolicy:
             so that the last layer always runs.
         horizon: T, decode steps over which the budget decays from e_max to e_min (tokens);
             the paper sets it to the median target length of the training data. >= 1.
+        full_depth_steps: k, decode steps 1..k that run all L layers before the decay starts
+            (default 0, the paper's schedule): step ``k + j`` runs what step ``j`` runs without
+            them. A project extension (docs/results.md, "Full-depth first steps"): most answers
+            part from the full-depth model's in their first tokens, and a decode step that runs
+            every layer runs the base model's weights (:mod:`skipdecode.lowrank`), so these k
+            tokens are the full-depth model's own. The budget stays non-increasing in t, so the
+            KV cache invariant of METHOD.md holds. >= 0.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the allowed range.
@@ -121,6 +128,7 @@ class LinearDecayPolicy:
     min_layers: int
     warmup_layers: int = 1
     horizon: int = 32
+    full_depth_steps: int = 0
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1)
@@ -133,21 +141,32 @@ class LinearDecayPolicy:
                 f"always runs, got {self.warmup_layers}"
             )
         _check_int("horizon", self.horizon, 1)
+        _check_int("full_depth_steps", self.full_depth_steps, 0)
 
     def budget(self, step: int) -> int:
-        """e(t): number of layers run at decode ``step`` (layers). Raises ValueError on bad step."""
+        """e(t): number of layers run at decode ``step`` (layers): L for ``1 <= step <= k``
+        (``full_depth_steps``), else the decay at ``step - k``. Raises ValueError on bad step."""
         _check_step(step)
-        return _budget(self.max_layers, self.min_layers, self.horizon, step)
+        k = self.full_depth_steps
+        if k and 1 <= step <= k:
+            return self.num_layers
+        return _budget(self.max_layers, self.min_layers, self.horizon, step - k if step > k else step)
 
     def active_layers(self, step: int) -> tuple[int, ...]:
         """Ascending layer indices run at ``step``: warm-up block then the top ``e(t)-w`` layers."""
         e = self.budget(step)
+        if e == self.num_layers:
+            return tuple(range(e))
         w = self.warmup_layers
         return tuple(range(w)) + tuple(range(self.num_layers - (e - w), self.num_layers))
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"type": "linear_decay", ...fields}`` (JSON-serialisable)."""
-        return {"type": "linear_decay", **asdict(self)}
+        """``{"type": "linear_decay", ...fields}`` (JSON-serialisable); ``full_depth_steps`` only
+        when it is not 0, so that the paper's schedule keeps the dict it always had."""
+        d = {"type": "linear_decay", **asdict(self)}
+        if not self.full_depth_steps:
+            del d["full_depth_steps"]
+        return d
 
     def expected_speedup(self, num_steps: int) -> float:
         """Theoretical speedup L * n / sum_{t=1..n} e(t) over decode steps 1..``num_steps``.

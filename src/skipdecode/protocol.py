@@ -11,7 +11,7 @@ checks that every field of those types is handled here. Each field of a request 
   (a string or up to 4 non-empty strings),
   ``stream``, ``stream_options.include_usage``, ``n`` (only 1);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
-  ``warmup_layers``, ``horizon``, ``top_k``;
+  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``;
 - **ignored**, because it cannot change the answer: ``user``, ``metadata``,
   ``safety_identifier``, the prompt-cache hints, ``parallel_tool_calls`` (no tools here);
 - **unsupported**: accepted only with a value that does not ask for the feature (null, or its
@@ -184,7 +184,8 @@ class SkipFields(_Body):
     """SkipDecode extensions accepted by both endpoints (None: the server model's policy).
 
     ``speedup`` is a target ratio (>= 1); the others count layers (``max_layers``,
-    ``min_layers`` >= 1, ``warmup_layers`` >= 0) and tokens (``horizon`` >= 1); bounds that
+    ``min_layers`` >= 1, ``warmup_layers`` >= 0) and decode steps (``horizon`` >= 1,
+    ``full_depth_steps`` >= 0: first steps at full depth, :class:`~skipdecode.policy.LinearDecayPolicy`); bounds that
     depend on the model (<= num_layers, min <= max) are checked by :func:`validate_request`.
     """
 
@@ -193,6 +194,7 @@ class SkipFields(_Body):
     min_layers: Optional[StrictInt] = Field(None, ge=1)
     warmup_layers: Optional[StrictInt] = Field(None, ge=0)
     horizon: Optional[StrictInt] = Field(None, ge=1)
+    full_depth_steps: Optional[StrictInt] = Field(None, ge=0)
 
 
 class CommonFields(SkipFields):
@@ -297,7 +299,7 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
 
 
 # -------------------------------------------------------------------------------- validation
-_POLICY_FIELDS = ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon")
+_POLICY_FIELDS = ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
 
 
