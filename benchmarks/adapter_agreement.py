@@ -103,11 +103,13 @@ def _sha256_dir(path: Path) -> str:
 
 
 def _schedule(policy: dict | None) -> str:
-    """A policy dict as ``"25->5 over 32"`` (linear decay), ``"all"`` (full depth) or ``""``."""
+    """A policy dict as ``"25->5 over 32"`` (linear decay; ``"2 x 30, then 25->5 over 32"`` with
+    full-depth first steps), ``"all"`` (full depth) or ``""``."""
     if not policy:
         return ""
     if policy.get("type") == "linear_decay":
-        return f"{policy['max_layers']}->{policy['min_layers']} over {policy['horizon']}"
+        first = f"{policy['full_depth_steps']} x {policy['num_layers']}, then " if policy.get("full_depth_steps") else ""
+        return f"{first}{policy['max_layers']}->{policy['min_layers']} over {policy['horizon']}"
     return "all" if policy.get("type") == "full" else ""
 
 

@@ -133,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--as-speedup", default=None, type=_speedup_above_one, metavar="S",
                     help="with --install: record the run's trained schedule (e.g. --max-layers 25 --min-layers 5, "
                          "labelled 'custom') as its schedule for --speedup S, so that --speedup S runs it")
+    ap.add_argument("--full-depth-steps", default=None, type=int, metavar="K",
+                    help="with --install: run the first K decode steps at full depth with the base weights before "
+                         "the trained schedule (LinearDecayPolicy.full_depth_steps; the shipped adapter: 2)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json_atomic(meta_path, meta)
         try:
             target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
-                                     bridge_targets=args.bridge_targets, as_speedup=args.as_speedup)
+                                     bridge_targets=args.bridge_targets, as_speedup=args.as_speedup,
+                                     full_depth_steps=args.full_depth_steps)
         except ValueError as e:
             raise SystemExit(f"error: {e}")
         print(dumps({"installed": _rel(target),

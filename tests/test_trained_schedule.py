@@ -110,3 +110,16 @@ def test_train_adapter_as_speedup_is_checked_by_the_parser(capsys):
         with pytest.raises(SystemExit) as exc:
             script.parse_args(["--install", "--as-speedup", bad])
         assert exc.value.code == 2 and "--as-speedup" in capsys.readouterr().err
+
+
+def test_install_with_full_depth_steps_adds_them_to_the_schedule(tmp_path, custom_run, base_dir):
+    target = sa.install_adapter(custom_run, name="warm", target_root=tmp_path, as_speedup=2, full_depth_steps=2)
+    meta = json.loads((target / "skipdecode.json").read_text())
+    assert meta["policies"]["2"]["full_depth_steps"] == 2 and meta["policy"]["full_depth_steps"] == 2
+    assert meta["storage"]["full_depth_steps_added"] == {"k": 2, "trained_with": 0}
+    policy = load(str(base_dir), adapter=str(target)).policy_for(speedup=2)
+    assert policy.full_depth_steps == 2 and [policy.budget(t) for t in (1, 2)] == [NUM_LAYERS, NUM_LAYERS]
+    assert policy.active_layers(3) == CUSTOM.active_layers(1)
+    with pytest.raises(ValueError, match="full_depth_steps must be >= 0"):
+        sa.install_adapter(custom_run, name="bad", target_root=tmp_path, full_depth_steps=-1)
+    assert not (tmp_path / "bad").exists()

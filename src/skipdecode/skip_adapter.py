@@ -271,10 +271,24 @@ def _relabel_policy(meta: dict[str, Any], as_speedup: Any, src: Path) -> dict[st
     return {"from": old, "to": label}
 
 
+def _add_full_depth_steps(meta: dict[str, Any], k: Any) -> dict[str, int]:
+    """Set ``full_depth_steps = k`` on ``meta``'s linear-decay ``policy`` and ``policies`` (in
+    place, checked by :class:`~skipdecode.policy.LinearDecayPolicy`); returns ``{"k", "trained_with"}``
+    (the value the run was trained with, 0 when absent)."""
+    from .policy import policy_from_dict
+
+    trained_with = int((meta.get("policy") or {}).get("full_depth_steps", 0))
+    for policy in [meta.get("policy"), *(meta.get("policies") or {}).values()]:
+        if isinstance(policy, dict) and policy.get("type") == "linear_decay":
+            policy["full_depth_steps"] = k
+            policy_from_dict(policy)  # ValueError naming full_depth_steps for a bad k
+    return {"k": k, "trained_with": trained_with}
+
+
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
                     bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None,
-                    as_speedup: float | None = None) -> Path:
+                    as_speedup: float | None = None, full_depth_steps: int | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
     data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
     an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
@@ -298,6 +312,9 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
             > 1), so that ``--speedup`` / ``policy_for(speedup=...)`` resolves to it
             (:meth:`skipdecode.model.SkipModel.trained_policy`); the old label is kept as
             ``storage.policy_relabelled``. None: labels unchanged.
+        full_depth_steps: set this ``LinearDecayPolicy.full_depth_steps`` on the run's schedules
+            (decode steps that run every layer, with the base weights, before the decay; no
+            retraining needed), recorded as ``storage.full_depth_steps_added``. None: unchanged.
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
@@ -305,7 +322,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     Raises:
         AdapterError: ``run_final`` is not a LoRA adapter folder, or ``as_speedup`` is given for
             a run that trained more than one schedule (names the labels).
-        ValueError: an unknown format, or ``as_speedup`` not a number > 1.
+        ValueError: an unknown format, ``as_speedup`` not a number > 1, or ``full_depth_steps``
+            not an integer >= 0.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -321,6 +339,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
     meta = read_adapter_config(src)
     relabelled = _relabel_policy(meta, as_speedup, src) if as_speedup is not None else None
+    added = _add_full_depth_steps(meta, full_depth_steps) if full_depth_steps is not None else None
     root = Path(target_root) if target_root is not None else SHIPPED_DIR
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
@@ -355,6 +374,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         meta["base_model"] = name
         if relabelled is not None:
             storage["policy_relabelled"] = relabelled
+        if added is not None:
+            storage["full_depth_steps_added"] = added
         meta["storage"] = storage
         if storage["entry_bridge"] is not None:
             meta["entry_bridge"] = shipped_bridge
