@@ -132,3 +132,21 @@ def test_full_depth_steps_run_the_base_model_static_and_in_flight(base_dir, adap
         assert toks == want_toks
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
     assert [r[0] for r in results][0] == want[0][:8]
+
+
+@pytest.mark.slow  # about 30 s of compiling on 2 cores
+def test_compiled_layers_give_the_eager_tokens_with_full_depth_steps(base_dir, decode_only_dir):  # noqa: F811
+    """A compiled layer call (aot_eager) sees the switch flip between the base weights (full-depth
+    steps, all rows or some) and the adapter: same tokens as eager, static and in flight, no fallback."""
+    from skipdecode.compiled import compile_adapter
+
+    torch._dynamo.reset()
+    eager = load(str(base_dir), adapter=str(decode_only_dir))
+    compiled = load(str(base_dir), adapter=str(decode_only_dir))
+    report = compile_adapter(compiled.adapter, backend="aot_eager")
+    prompts = [*PROMPTS, "name[Zizzi]"]
+    for kw in ({}, {"max_batch_size": 2}):
+        want = eager.generate(prompts, policy=WARM, max_new_tokens=N_NEW, chat=False, **kw)
+        got = compiled.generate(prompts, policy=WARM, max_new_tokens=N_NEW, chat=False, **kw)
+        assert [list(t) for t in got.token_ids] == [list(t) for t in want.token_ids]
+    assert report.enabled, report.error
