@@ -150,12 +150,23 @@ def base_prefill(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def _marked_rows(switch: PrefillSwitch, rows: torch.Tensor) -> Iterator[None]:
+    """``switch.rows = rows`` inside the block, the previous marking restored on exit."""
+    saved, switch.rows = switch.rows, rows
+    try:
+        yield
+    finally:
+        switch.rows = saved
+
+
+@contextmanager
 def base_rows(model: nn.Module, rows: torch.Tensor) -> Iterator[None]:
     """Inside the block, the rows of ``model``'s calls marked in ``rows`` ((B,) bool) run the base
     model when it carries a decode-only adapter: all of them (:func:`base_prefill`), none (nothing
     changes), or some (the wrappers take the delta out of those rows, :meth:`LowRankLinear._row_delta`;
-    a layer run on a subset of the rows must enter :func:`narrow_rows`). Without such an adapter,
-    or already inside :func:`base_prefill`, it does nothing."""
+    a layer run on a subset of the rows must enter :func:`narrow_rows`). The marking moves to the
+    model's device once here, not in every wrapper. Without such an adapter, or already inside
+    :func:`base_prefill`, it does nothing."""
     switch = getattr(model, SWITCH_ATTR, None)
     if switch is None or switch.base or not bool(rows.any()):
         yield
@@ -164,11 +175,9 @@ def base_rows(model: nn.Module, rows: torch.Tensor) -> Iterator[None]:
         with base_prefill(model):
             yield
         return
-    saved, switch.rows = switch.rows, rows.to(torch.bool)
-    try:
+    device = next(model.parameters()).device
+    with _marked_rows(switch, rows.to(device=device, dtype=torch.bool)):
         yield
-    finally:
-        switch.rows = saved
 
 
 @contextmanager
@@ -179,12 +188,8 @@ def narrow_rows(model: nn.Module, index: torch.Tensor) -> Iterator[None]:
     if switch is None or switch.rows is None:
         yield
         return
-    saved = switch.rows
-    switch.rows = saved.index_select(0, index.to(saved.device))
-    try:
+    with _marked_rows(switch, switch.rows.index_select(0, index.to(switch.rows.device))):
         yield
-    finally:
-        switch.rows = saved
 
 
 def has_decode_only_adapter(model: nn.Module) -> bool:
