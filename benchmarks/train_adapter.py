@@ -134,8 +134,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --install: record the run's trained schedule (e.g. --max-layers 25 --min-layers 5, "
                          "labelled 'custom') as its schedule for --speedup S, so that --speedup S runs it")
     ap.add_argument("--full-depth-steps", default=None, type=int, metavar="K",
-                    help="with --install: run the first K decode steps at full depth with the base weights before "
-                         "the trained schedule (LinearDecayPolicy.full_depth_steps; the shipped adapter: 2)")
+                    help="the first K decode steps run at full depth with the base weights before the decay "
+                         "(LinearDecayPolicy.full_depth_steps): trained with (TrainConfig.full_depth_steps), or "
+                         "with --install / --reschedule set on the shipped schedule without retraining")
+    ap.add_argument("--ship-horizon", default=None, type=int, metavar="T",
+                    help="with --install / --reschedule: the shipped schedule's decay horizon (tokens) instead of "
+                         "the trained one")
+    ap.add_argument("--reschedule", action="store_true",
+                    help="only change the schedule of the adapter installed in the package (--full-depth-steps, "
+                         "--ship-horizon; recorded in its skipdecode.json with --note), no retraining")
+    ap.add_argument("--note", default=None, help="with --reschedule: how the new schedule was chosen (stored)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
     return ap.parse_args(argv)
@@ -180,6 +188,7 @@ def _config(args: argparse.Namespace, config_cls, out: Path, speedups: tuple[flo
         max_length=args.max_length, val_fraction=0.04, max_val_examples=24, chat=True,
         max_steps=args.max_steps, lr=args.lr, batch_size=args.batch_size, warmup_ratio=args.warmup_ratio,
         on_policy=args.on_policy, init_adapter=args.init_adapter, position_half_life=args.position_half_life,
+        full_depth_steps=args.full_depth_steps or 0,
         distill=True, kl_weight=args.kl_weight, distill_max_new_tokens=args.max_new_tokens,
         distill_batch_size=16, distill_answers_from=args.distill_answers_from,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, prompt_grad=args.prompt_grad,
@@ -232,6 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.reschedule:
+        from skipdecode.skip_adapter import SHIPPED_DIR, AdapterError, reschedule_adapter
+
+        try:
+            changes = reschedule_adapter(SHIPPED_DIR / "smollm2-135m-instruct", full_depth_steps=args.full_depth_steps,
+                                         horizon=args.ship_horizon, note=args.note)
+        except (AdapterError, ValueError) as e:
+            raise SystemExit(f"error: --reschedule: {e}")
+        print(dumps({"rescheduled": "src/skipdecode/skip_adapters/smollm2-135m-instruct", **changes}))
+        return 0
     if args.install:
         from skipdecode.skip_adapter import install_adapter
 
@@ -255,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
                                      bridge_targets=args.bridge_targets, as_speedup=args.as_speedup,
-                                     full_depth_steps=args.full_depth_steps)
+                                     full_depth_steps=args.full_depth_steps, horizon=args.ship_horizon)
         except ValueError as e:
             raise SystemExit(f"error: {e}")
         print(dumps({"installed": _rel(target),

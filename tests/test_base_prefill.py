@@ -5,6 +5,9 @@ fed one at a time with the adapter on; gradients match it and never reach the pr
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,9 +33,10 @@ def _lora(family: str):
     return peft_model, get_adapter(peft_model.base_model.model)
 
 
-def _reference_ce(peft_model, adapter, item: TokenizedExample, policy) -> torch.Tensor:
+def _reference_ce(peft_model, adapter, item: TokenizedExample, policy, base_at_full_depth: bool = True) -> torch.Tensor:
     """Summed CE as decoding computes it: the whole prompt prefilled by the base model (adapter
-    off, no grad) gives token 0; response tokens 0..n-2 are fed one at a time, adapter on."""
+    off, no grad) gives token 0; response tokens 0..n-2 are fed one at a time, adapter on except
+    at decode steps that run every layer (with ``base_at_full_depth``)."""
     prompt, resp = list(item.prompt_ids), list(item.response_ids)
     cache = _GradCache(L)
     with torch.no_grad(), peft_model.disable_adapter():
@@ -41,8 +45,11 @@ def _reference_ce(peft_model, adapter, item: TokenizedExample, policy) -> torch.
     total = F.cross_entropy(logits[0, -1:].float(), torch.tensor([resp[0]]), reduction="sum")
     for i, tok in enumerate(resp[:-1]):
         K = len(prompt) + i + 1
-        logits = skip_forward(adapter, torch.tensor([[tok]]), torch.ones(1, K, dtype=torch.long),
-                              active_layers=list(policy.active_layers(i + 1)), cache=cache)
+        active = list(policy.active_layers(i + 1))
+        # a decode step that runs every layer runs the base weights (skipdecode.lowrank)
+        with peft_model.disable_adapter() if base_at_full_depth and len(active) == L else nullcontext():
+            logits = skip_forward(adapter, torch.tensor([[tok]]), torch.ones(1, K, dtype=torch.long),
+                                  active_layers=active, cache=cache)
         total = total + F.cross_entropy(logits[0, -1:].float(), torch.tensor([resp[i + 1]]), reduction="sum")
     return total
 
@@ -65,6 +72,31 @@ def test_base_prefill_loss_and_gradients_equal_base_prefilled_decoding(family):
     # the adapter-on prefill (prompt_grad=False alone) is a different forward
     ce_adapted, _ = SkipLossModule(peft_model, adapter, prompt_grad=False)(*args)
     assert abs(ce_adapted.item() - ce.item()) > 1e-3
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_base_prefill_with_full_depth_steps_equals_base_weights_at_those_steps(k):
+    """``LinearDecayPolicy.full_depth_steps``: decode steps 1..k run every layer, hence the base
+    weights at inference, so the loss of a decode-only adapter equals decoding that runs them with
+    the adapter off (k=4 exceeds the 3-token row's inputs: rows lead with different counts), and
+    differs from keeping the adapter on at those steps."""
+    peft_model, adapter = _lora("llama")
+    policy = replace(POLICY, full_depth_steps=k)
+    batch = _batch()
+    lm = build_layer_mask(policy, batch.prompt_lens, batch.seq_lens, batch.input_ids.shape[1], L)
+    args = (batch.input_ids, batch.attention_mask, batch.prompt_lens, batch.seq_lens, lm)
+    ce, _ = SkipLossModule(peft_model, adapter, prompt_grad=False, base_prefill=True)(*args)
+    items = [TokenizedExample(tuple(batch.input_ids[b, :p].tolist()), tuple(batch.input_ids[b, p:s].tolist()))
+             for b, (p, s) in enumerate(zip(batch.prompt_lens.tolist(), batch.seq_lens.tolist()))]
+    ref = sum(_reference_ce(peft_model, adapter, it, policy) for it in items)
+    torch.testing.assert_close(ce, ref, rtol=0, atol=1e-4)
+    n = batch.n_targets
+    grads, grads_ref = _grads(peft_model, ce / n), _grads(peft_model, ref / n)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=0, atol=1e-5, msg=name)
+    # the same plan with the adapter kept on at the full-depth steps is another loss
+    ref_on = sum(_reference_ce(peft_model, adapter, it, policy, base_at_full_depth=False) for it in items)
+    assert abs(ref_on.item() - ce.item()) > 1e-3
 
 
 def test_base_prefill_token0_is_the_base_models():

@@ -247,3 +247,28 @@ def test_train_adapter_script_words_config_errors_as_its_options(tmp_path, capsy
     with pytest.raises(SystemExit):
         script._config_error(TrainConfigError("distill_max_new_tokens", "must be an integer >= 1, got 0"))
     assert capsys.readouterr().err.startswith("error: --max-new-tokens must be")
+
+
+def test_student_answers_with_full_depth_steps_run_them_with_the_base_weights(base_dir, decode_only_dir):  # noqa: F811
+    """With ``full_depth_steps`` the training-time answers (peft, adapter switched off at the
+    full-depth steps) equal the loaded, merged decode-only model's generation of that schedule."""
+    from dataclasses import replace
+
+    from peft import PeftModel
+
+    from skipdecode.adapters import get_adapter
+
+    policy = replace(ADAPTER_POLICY, full_depth_steps=2)
+    student = load(str(base_dir), adapter=str(decode_only_dir))
+    want = [list(student.generate(p, policy=policy, max_new_tokens=N_NEW, chat=False).token_ids[0]) for p in PROMPTS]
+    stock = load(str(base_dir), adapter=False)
+    peft_model = PeftModel.from_pretrained(stock.model, str(decode_only_dir))
+    adapter = get_adapter(peft_model.base_model.model)
+    items = [TokenizedExample(tuple(encode_prompts(stock.tokenizer, [p], chat=False)[0][0].tolist()), (1,))
+             for p in PROMPTS]
+    kw = dict(max_new_tokens=N_NEW, max_length=256, eos_token_ids=_eos_ids(stock.tokenizer, stock.model),
+              pad_token_id=0, prefill_context=peft_model.disable_adapter)
+    got = student_answers(adapter, items, policy, **kw)
+    assert [list(x.response_ids) for x in got] == want
+    kept_on = student_answers(adapter, items, replace(ADAPTER_POLICY, max_layers=NUM_LAYERS, horizon=N_NEW + 2), **kw)
+    assert [list(x.response_ids) for x in kept_on] != want  # the test tells schedules apart

@@ -319,6 +319,7 @@ def train(
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min of an explicit schedule (layers)."),
     warmup_layers: int = typer.Option(1, "--warmup-layers", help="Bottom layers that always run."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decay horizon T in tokens (default: median response length of the data)."),
+    full_depth_steps: int = typer.Option(0, "--full-depth-steps", help="First decode steps that run every layer before the decay (with --base-prefill: the base weights, as at inference); 0: the paper's schedule."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training data (ignored with --max-steps)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps (overrides --epochs)."),
     max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Budget of optimizer-step time (minutes): stop after the first step past it, then validate and save final/ as at the end (the LR schedule stays planned over --max-steps/--epochs)."),
@@ -376,7 +377,8 @@ def train(
     try:
         config = TrainConfig(
             out_dir=str(out), speedup=speedup, speedups=speedup_list, max_layers=max_layers, min_layers=min_layers,
-            warmup_layers=warmup_layers, horizon=horizon, task=task, max_length=max_length,
+            warmup_layers=warmup_layers, horizon=horizon, full_depth_steps=full_depth_steps, task=task,
+            max_length=max_length,
             val_fraction=val_fraction, skip_bad_rows=skip_bad_rows, chat=chat, epochs=epochs, max_steps=max_steps,
             max_minutes=max_minutes, teacher=teacher,
             lr=lr, weight_decay=weight_decay, batch_size=batch_size, grad_accum=grad_accum,

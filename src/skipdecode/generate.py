@@ -109,7 +109,8 @@ def generate_step(
         prefill_context: factory of the context the prefill runs in (None:
             :func:`skipdecode.lowrank.base_prefill`, which switches a merged decode-only adapter
             off); training passes peft's ``disable_adapter`` to generate a decode-only adapter's
-            own answers (:mod:`skipdecode.training.on_policy`).
+            own answers (:mod:`skipdecode.training.on_policy`). Decode steps that run every
+            layer run in it too (the base weights, as a full-depth step of a decode-only adapter).
 
     Yields:
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
@@ -161,7 +162,8 @@ def generate_step(
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             # a step that runs every layer runs the base model (a decode-only skip adapter is for skipping)
-            with base_prefill(adapter.model) if len(active) == adapter.num_layers else nullcontext():
+            with (prefill_context() if prefill_context is not None else base_prefill(adapter.model)) \
+                    if len(active) == adapter.num_layers else nullcontext():
                 logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
         next_tokens = sample_rows(samplers, logits, all_ids)
         emitted = ~finished

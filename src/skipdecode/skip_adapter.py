@@ -14,10 +14,9 @@ adapter's policy becomes the model's default policy, as for any checkpoint writt
 ``skipdecode train``. A *decode-only* adapter (trained with ``TrainConfig.base_prefill``, recorded
 as ``training.config.base_prefill`` in its ``skipdecode.json``) is applied to decode steps only:
 the base model prefills the prompt (:func:`skipdecode.lowrank.base_prefill`); the shipped one is
-decode-only. **At full depth** (``FullPolicy``, ``--speedup 1``) the model's decode steps then run
-the adapted weights, not the stock ones: full-depth answers differ from the stock model's
-(measured in ``benchmarks/results/adapter_agreement_v10_int8bridge.md``); load with ``adapter=False``
-(``--no-adapter``) for the stock model. Merging makes decoding cost nothing extra.
+decode-only. A decode step that runs every layer (``FullPolicy``, ``--speedup 1``, or a schedule's
+``full_depth_steps``) runs the base weights too (:mod:`skipdecode.lowrank`), so full-depth answers are
+the stock model's; ``adapter=False`` (``--no-adapter``) loads the stock weights without the merge.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ __all__ = [
     "shipped_adapter_for",
     "read_adapter_config",
     "merge_adapter",
+    "reschedule_adapter",
     "is_decode_only",
     "adapter_summary",
     "entry_bridge_summary",
@@ -271,24 +271,79 @@ def _relabel_policy(meta: dict[str, Any], as_speedup: Any, src: Path) -> dict[st
     return {"from": old, "to": label}
 
 
-def _add_full_depth_steps(meta: dict[str, Any], k: Any) -> dict[str, int]:
-    """Set ``full_depth_steps = k`` on ``meta``'s linear-decay ``policy`` and ``policies`` (in
-    place, checked by :class:`~skipdecode.policy.LinearDecayPolicy`); returns ``{"k", "trained_with"}``
-    (the value the run was trained with, 0 when absent)."""
+def _reschedule(meta: dict[str, Any], full_depth_steps: Any = None, horizon: Any = None) -> dict[str, dict]:
+    """Set ``full_depth_steps`` and/or ``horizon`` on ``meta``'s linear-decay ``policy`` and
+    ``policies`` (in place, checked by :class:`~skipdecode.policy.LinearDecayPolicy`, whose
+    ValueError names the field). Returns the storage records of what changed:
+    ``{"full_depth_steps_added": {"k", "trained_with"}, "horizon_changed": {"horizon",
+    "trained_with"}}`` (only the keys given; ``trained_with`` is the run's value, k 0 when absent)."""
     from .policy import policy_from_dict
 
-    trained_with = int((meta.get("policy") or {}).get("full_depth_steps", 0))
+    trained = meta.get("policy") or {}
+    changes: dict[str, dict] = {}
+    if full_depth_steps is not None:
+        changes["full_depth_steps_added"] = {"k": full_depth_steps,
+                                             "trained_with": int(trained.get("full_depth_steps", 0))}
+    if horizon is not None:
+        changes["horizon_changed"] = {"horizon": horizon, "trained_with": trained.get("horizon")}
     for policy in [meta.get("policy"), *(meta.get("policies") or {}).values()]:
         if isinstance(policy, dict) and policy.get("type") == "linear_decay":
-            policy["full_depth_steps"] = k
-            policy_from_dict(policy)  # ValueError naming full_depth_steps for a bad k
-    return {"k": k, "trained_with": trained_with}
+            if full_depth_steps is not None:
+                policy["full_depth_steps"] = full_depth_steps
+            if horizon is not None:
+                policy["horizon"] = horizon
+            policy_from_dict(policy)  # ValueError naming the field for a bad value
+    return changes
+
+
+def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | None = None,
+                       horizon: int | None = None, note: str | None = None) -> dict[str, dict]:
+    """Change the schedule of an installed skip adapter in place (no retraining): the
+    ``full_depth_steps`` (decode steps that run every layer, with the base weights) and/or the
+    decay ``horizon`` (tokens) of its linear-decay ``policy`` and ``policies`` in
+    ``folder/skipdecode.json``, written atomically; the change is recorded under ``storage`` as
+    :func:`install_adapter` records it (with ``note``, e.g. how the schedule was chosen). A later
+    change of the same field keeps the run's original ``trained_with``.
+
+    Args:
+        folder: an installed adapter folder (e.g. ``SHIPPED_DIR / "smollm2-135m-instruct"``).
+        full_depth_steps: k >= 0, or None (unchanged).
+        horizon: T >= 1 (tokens), or None (unchanged).
+        note: free text stored with each change, or None.
+
+    Returns:
+        The storage records written (``full_depth_steps_added``, ``horizon_changed``).
+
+    Raises:
+        AdapterError: ``folder`` holds no ``skipdecode.json``, or neither field is given.
+        ValueError: a value out of range (the message names the field); nothing is written.
+    """
+    from .model import write_json_atomic
+
+    path = Path(folder) / _SKIP
+    if not path.is_file():
+        raise AdapterError(f"{folder}: no {_SKIP} (an installed skip adapter folder is needed)")
+    if full_depth_steps is None and horizon is None:
+        raise AdapterError("reschedule_adapter needs full_depth_steps or horizon")
+    meta = json.loads(path.read_text())
+    storage = meta.setdefault("storage", {})
+    changes = _reschedule(meta, full_depth_steps, horizon)
+    for key, change in changes.items():
+        old = storage.get(key) or {}
+        if "trained_with" in old:
+            change["trained_with"] = old["trained_with"]
+        if note is not None:
+            change["note"] = note
+        storage[key] = change
+    write_json_atomic(path, meta)
+    return changes
 
 
 def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-instruct",
                     target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
                     bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None,
-                    as_speedup: float | None = None, full_depth_steps: int | None = None) -> Path:
+                    as_speedup: float | None = None, full_depth_steps: int | None = None,
+                    horizon: int | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
     data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
     an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
@@ -315,6 +370,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         full_depth_steps: set this ``LinearDecayPolicy.full_depth_steps`` on the run's schedules
             (decode steps that run every layer, with the base weights, before the decay; no
             retraining needed), recorded as ``storage.full_depth_steps_added``. None: unchanged.
+        horizon: set this decay horizon (tokens) on the run's linear-decay schedules, recorded as
+            ``storage.horizon_changed``. None: unchanged.
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
@@ -322,8 +379,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
     Raises:
         AdapterError: ``run_final`` is not a LoRA adapter folder, or ``as_speedup`` is given for
             a run that trained more than one schedule (names the labels).
-        ValueError: an unknown format, ``as_speedup`` not a number > 1, or ``full_depth_steps``
-            not an integer >= 0.
+        ValueError: an unknown format, ``as_speedup`` not a number > 1, ``full_depth_steps``
+            not an integer >= 0 or ``horizon`` not an integer >= 1.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -339,7 +396,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
     meta = read_adapter_config(src)
     relabelled = _relabel_policy(meta, as_speedup, src) if as_speedup is not None else None
-    added = _add_full_depth_steps(meta, full_depth_steps) if full_depth_steps is not None else None
+    changes = _reschedule(meta, full_depth_steps, horizon)
     root = Path(target_root) if target_root is not None else SHIPPED_DIR
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
@@ -374,8 +431,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         meta["base_model"] = name
         if relabelled is not None:
             storage["policy_relabelled"] = relabelled
-        if added is not None:
-            storage["full_depth_steps_added"] = added
+        storage.update(changes)
         meta["storage"] = storage
         if storage["entry_bridge"] is not None:
             meta["entry_bridge"] = shipped_bridge

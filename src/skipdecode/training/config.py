@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from ..data import TEMPLATES
@@ -54,6 +54,11 @@ class TrainConfig:
         horizon: decay horizon T (tokens); None: the median response length of the training
             data in tokens (:func:`skipdecode.data.median_response_tokens`; with ``distill`` the
             median length of the teacher's answers).
+        full_depth_steps: k >= 0, first decode steps that run every layer before a linear
+            decay (:attr:`skipdecode.policy.LinearDecayPolicy.full_depth_steps`; ignored by a
+            full-depth schedule). With ``base_prefill`` they run the base weights, as at inference,
+            so their positions join the base model's no-grad prefill
+            (:func:`skipdecode.training.loss.target_logits`; on-policy answers run them the same way).
 
     Data:
         task: prompt template of :data:`skipdecode.data.TEMPLATES` (None: the reader's default).
@@ -170,6 +175,7 @@ class TrainConfig:
     min_layers: int | None = None
     warmup_layers: int = 1
     horizon: int | None = None
+    full_depth_steps: int = 0
     task: str | None = None
     max_length: int = 256
     val_fraction: float = 0.0
@@ -283,6 +289,7 @@ def _check_schedule(c: "TrainConfig") -> None:
         _fail("min_layers", f"must be <= max_layers ({c.max_layers}), got {c.min_layers}")
     _check_int(c, "warmup_layers", 0)
     _check_int(c, "horizon", 1, optional=True)
+    _check_int(c, "full_depth_steps", 0)
 
 
 def _check_data(c: "TrainConfig") -> None:
@@ -413,7 +420,8 @@ def _check_run(c: "TrainConfig") -> None:
 
 # Fields that must match to resume a run (everything that shapes data order, model or schedule).
 RESUME_FIELDS = (
-    "speedup", "speedups", "max_layers", "min_layers", "warmup_layers", "horizon", "task", "max_length",
+    "speedup", "speedups", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps", "task",
+    "max_length",
     "val_fraction", "max_val_examples", "chat", "response_separator", "epochs", "max_steps", "lr",
     "weight_decay", "batch_size", "grad_accum", "lr_scheduler", "warmup_ratio", "warmup_steps",
     "max_grad_norm", "seed", "distill", "kl_weight", "teacher", "distill_max_new_tokens", "lora_r", "lora_alpha",
@@ -437,6 +445,14 @@ def build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[t
         TrainConfigError: a schedule the model cannot run (e.g. a speedup above L / (w + 1));
             ``.field`` names the offending setting.
     """
+    pairs = _build_policies(config, num_layers, horizon)
+    k = config.full_depth_steps
+    return [(label, replace(p, full_depth_steps=k) if k and isinstance(p, LinearDecayPolicy) else p)
+            for label, p in pairs]
+
+
+def _build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[tuple[str, SkipPolicy]]:
+    """:func:`build_policies` before ``full_depth_steps``."""
     field_of = "speedups" if config.speedups else "speedup"
     try:
         if config.speedups:

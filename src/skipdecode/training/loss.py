@@ -137,38 +137,63 @@ def _hidden_prompt_no_grad(adapter: Adapter, batch: Batch, layer_mask: torch.Ten
     return hidden[parts["targets"]]
 
 
+def _full_depth_lead(layer_mask: torch.Tensor, P: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """(B,) count j_b of the leading response inputs (tokens 0 .. n_b - 2) whose plan runs every
+    layer: the decode steps 1 .. j_b that run at full depth, e.g. the first
+    ``LinearDecayPolicy.full_depth_steps`` (the budget never rises, so they lead)."""
+    B, T, _ = layer_mask.shape
+    dev = layer_mask.device
+    full = layer_mask.all(-1)  # (B, T)
+    R = max(int(n.max()) - 1, 0)
+    src = (P[:, None] + torch.arange(R, device=dev)[None]).clamp_max(T - 1)  # (B, R)
+    ok = torch.arange(R, device=dev)[None] < (n - 1)[:, None]
+    lead = (full.gather(1, src) & ok).long().cumprod(1)  # 1 while every position so far is full depth
+    return lead.sum(1)
+
+
 def _hidden_base_prefill(adapter: Adapter, batch: Batch, layer_mask: torch.Tensor, sparse: bool,
                          base_context: Callable[[], ContextManager]) -> torch.Tensor:
     """Final hidden states (N, C) at the target positions when the base model prefills the prompt.
 
     The whole prompt (its last token included) runs at full depth under ``torch.no_grad()`` and
     ``base_context()`` (the LoRA adapter switched off), as a decode-only skip adapter is run at
-    inference (:func:`skipdecode.load`): its last position gives response token 0. Response tokens
-    0 .. n-2 then run with the adapter on, under their plans, against the prompt's keys/values, and
-    give tokens 1 .. n-1. Row-major order, as ``batch.target_mask()``."""
+    inference (:func:`skipdecode.load`): its last position gives response token 0. So do the
+    leading response tokens 0 .. j_b - 1 whose decode steps run every layer (:func:`_full_depth_lead`,
+    e.g. ``LinearDecayPolicy.full_depth_steps``): at inference a decode step that runs every layer
+    runs the base weights (:mod:`skipdecode.lowrank`, :func:`skipdecode.generate.generate_step`), so
+    they are part of the base model's no-grad prefill here and give tokens 1 .. j_b. Response
+    tokens j_b .. n-2 then run with the adapter on, under their plans, against those keys/values,
+    and give tokens j_b + 1 .. n-1. Row-major order, as ``batch.target_mask()``."""
     ids, P, S = batch.input_ids, batch.prompt_lens, batch.seq_lens
     T, dev = ids.shape[1], ids.device
     n = S - P  # response lengths (tokens), >= 1
-    C, R = int(P.max()), int(n.max()) - 1
-    src_c = P[:, None] - C + torch.arange(C, device=dev)[None]  # (B, C), left-padded prompt
-    src_s = P[:, None] + torch.arange(R, device=dev)[None]  # (B, R), response tokens 0 .. n-2
+    j = _full_depth_lead(layer_mask, P, n)  # (B,) response tokens in the base prefill
+    pre = P + j  # prefill lengths (tokens)
+    C, K, R = int(pre.max()), int(j.max()), int((n - 1 - j).max())
+    src_c = pre[:, None] - C + torch.arange(C, device=dev)[None]  # (B, C), left-padded prefill
+    src_s = pre[:, None] + torch.arange(R, device=dev)[None]  # (B, R), response tokens j .. n-2
     ctx_ok, suf_ok = src_c >= 0, src_s < (S - 1)[:, None]
     pad = torch.zeros((), dtype=ids.dtype, device=dev)
     ctx_ids = torch.where(ctx_ok, ids.gather(1, src_c.clamp_min(0)), pad)
     cache = SkipCache(adapter.num_layers, capacity=C)
     with torch.no_grad(), base_context():
         h_prompt = skip_forward(adapter, ctx_ids, ctx_ok.long(), cache=cache, return_hidden=True)  # (B, C, H)
-    first = h_prompt[:, -1:]  # (B, 1, H): predicts response token 0
+    # the last j_b + 1 prefill columns predict response tokens 0 .. j_b; left-align them
+    cols = torch.arange(K + 1, device=dev)[None]  # (1, K + 1)
+    first_src = (C - 1 - j[:, None] + cols).clamp_max(C - 1)  # (B, K + 1)
+    first = h_prompt.gather(1, first_src[..., None].expand(-1, -1, h_prompt.shape[-1]))
+    first_ok = cols <= j[:, None]
     if R == 0:
-        return first[:, 0]
+        return first[first_ok]
     suf_src = src_s.clamp_max(T - 1)
     suf_ids = torch.where(suf_ok, ids.gather(1, suf_src), pad)
     L = layer_mask.shape[-1]
     suffix_mask = layer_mask.gather(1, suf_src[..., None].expand(-1, -1, L)) & suf_ok[..., None]
     hidden = skip_forward(adapter, suf_ids, torch.cat([ctx_ok, suf_ok], 1).long(), layer_mask=suffix_mask,
                           kv_prefix=PrefixKV(cache), return_hidden=True, sparse=sparse)  # (B, R, H)
-    both = torch.cat([first, hidden], 1)  # (B, R + 1, H): column j predicts response token j
-    targets = torch.arange(R + 1, device=dev)[None] < n[:, None]
+    # column c < K + 1 predicts token c (valid when c <= j_b); column K + 1 + r predicts token j_b + 1 + r
+    both = torch.cat([first, hidden], 1)  # (B, K + 1 + R, H)
+    targets = torch.cat([first_ok, suf_ok], 1)
     return both[targets]
 
 
