@@ -448,6 +448,7 @@ def serve(
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="Default e_min."),
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Default warm-up layers."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Default horizon (tokens)."),
+    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="Default first decode steps at full depth, with the base model's weights (default: the model's schedule's; requests may send full_depth_steps)."),
     name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
     device: str = typer.Option("cpu", "--device", help="torch device."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
@@ -472,10 +473,10 @@ def serve(
         fail("--cohort-size applies to in-flight batching; drop it or --serial")
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
-    check_policy_options(speedup, max_layers, min_layers, horizon)
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
-    sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon)
+    sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     import uvicorn
 
     from .server import create_app
