@@ -173,12 +173,33 @@ def _schedule_list(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
-    ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
+def add_common_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """The options every agreement probe shares (``--data``, ``--max-new-tokens``, ``--batch-size``,
+    ``--limit``, ``--threads``, ``--name`` defaulting to ``name``, ``--out``)."""
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke test)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--name", default=name)
+    ap.add_argument("--out", default=str(HERE / "results"))
+
+
+def common_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Check ``--limit`` (``ap.error``), set ``--threads``, and build the prompt splits ``(train,
+    heldout)`` checked against the committed manifest (exit 1 on a mismatch, 2 without data)."""
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit must be >= 1 (leave it out for every prompt), got {args.limit}")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
+    ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
     ap.add_argument("--speedups", default="2,3", type=_speedup_list,
                     help="adapted-model speedups to measure (each as --speedup S runs it: the adapter's trained "
                          "schedule for S, else for_speedup; '' for none)")
@@ -187,12 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", default="", type=_schedule_list,
                     help="also measure the adapted model under these linear decays, MAX:MIN layers over the "
                          "adapter's horizon (e.g. 25:7,25:9: the trained 25 -> 5 with a higher floor)")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
     ap.add_argument("--split", choices=["heldout", "train"], default="heldout",
                     help="prompt split to measure on; train: a seeded sample of --train-sample training prompts "
                          "(how well the adapter fits what it was taught, against held-out: how it generalizes)")
     ap.add_argument("--train-sample", type=int, default=77, help="with --split train: prompts sampled (seed 0)")
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantize", choices=["int8", "int4"], default=None,
                     help="load the adapted model with these weights (the reference stays the float32 stock model)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -204,11 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bridge-ablation", action=argparse.BooleanOptionalAction, default=True,
                     help="when the adapter has an entry bridge, add the stock model with that bridge and no "
                          "LoRA at 2x (what the bridge alone does)")
-    ap.add_argument("--name", default="adapter_agreement")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    add_common_args(ap, "adapter_agreement")
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        ap.error(f"--limit must be >= 1 (leave it out for every prompt), got {args.limit}")
 
     import torch
 
@@ -217,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     from skipdecode.policy import FullPolicy, for_speedup
     from skipdecode.skip_adapter import shipped_adapter_for
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train_rows, held_rows = adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
+    train_rows, held_rows = common_setup(ap, args)
     if args.train_sample < 1:
         ap.error(f"--train-sample must be >= 1, got {args.train_sample}")
     if args.split == "train":  # measure on what was trained on; the manifest check above still ran

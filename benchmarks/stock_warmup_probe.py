@@ -83,25 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-delta", action="store_true",
                     help="keep the LoRA delta on at the k full-depth steps (the adapted model's own full-depth "
                          "steps, a pure schedule change) instead of the stock weights")
-    ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
-    ap.add_argument("--max-new-tokens", type=int, default=40)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--limit", type=int, default=None, help="only the first N held-out prompts (smoke test)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--name", default="stock_warmup_probe")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    aa.add_common_args(ap, "stock_warmup_probe")
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        ap.error(f"--limit must be >= 1 (leave it out for every prompt), got {args.limit}")
 
     import torch
 
     import skipdecode
     from skipdecode.policy import FullPolicy
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    train_rows, held = adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
+    train_rows, held = aa.common_setup(ap, args)
     held = held[: args.limit] if args.limit else held
     prompts = [r["prompt"] for r in held]
     kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}

@@ -164,8 +164,9 @@ def load(
         chat: use the chat template (None: when the tokenizer has one).
         adapter: skip adapter to merge (:mod:`skipdecode.skip_adapter`). True (default): the
             adapter the package ships for this model, if any (today: the embedded default's 2x
-            adapter); its ``skipdecode.json`` then gives the default policy and chat setting, so
-            full depth runs the adapted weights. False: none (the stock weights). A folder path:
+            adapter); its ``skipdecode.json`` then gives the default policy and chat setting (a
+            decode-only adapter's full-depth steps still run the stock weights,
+            :mod:`skipdecode.lowrank`). False: none (the stock weights). A folder path:
             that LoRA adapter, merged into whatever ``model`` is.
         quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
             decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
