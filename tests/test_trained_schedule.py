@@ -123,3 +123,20 @@ def test_install_with_full_depth_steps_adds_them_to_the_schedule(tmp_path, custo
     with pytest.raises(ValueError, match="full_depth_steps must be >= 0"):
         sa.install_adapter(custom_run, name="bad", target_root=tmp_path, full_depth_steps=-1)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_retimed_default_schedule_leaves_generic_speedups_on_the_checkpoints_horizon(tokenizer):
+    """A shipped schedule re-timed without retraining (horizon 2, the run's 4 kept as the
+    checkpoint's ``horizon``): ``--speedup 2`` runs it, other speedups keep the checkpoint's
+    horizon, explicit bounds keep the default policy's."""
+    from dataclasses import replace
+
+    retimed = replace(CUSTOM, horizon=2, full_depth_steps=1)
+    sk = SkipModel(make_model("llama", NUM_LAYERS), tokenizer, policy=retimed,
+                   skip_config={"policies": {"2": retimed.to_dict()}, "horizon": 4})
+    assert sk.horizon == 4 and sk.policy_for(speedup=2) == retimed
+    assert sk.policy_for(speedup=3) == for_speedup(NUM_LAYERS, 3, 4)
+    assert sk.policy_for(max_layers=4).horizon == 2 and sk.policy_for(max_layers=4, horizon=3).horizon == 3
+    # without a saved horizon the default policy's is the default, as before
+    plain = SkipModel(make_model("llama", NUM_LAYERS), tokenizer, policy=retimed, skip_config={})
+    assert plain.horizon == 2 and plain.policy_for(speedup=3) == for_speedup(NUM_LAYERS, 3, 2)

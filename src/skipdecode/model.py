@@ -124,8 +124,14 @@ class SkipModel:
 
     @property
     def horizon(self) -> int:
-        """Default horizon T (tokens): the checkpoint's, else 32."""
-        return int(getattr(self.policy, "horizon", self.skip_config.get("horizon", 32)))
+        """Default horizon T (tokens) of ``--speedup`` schedules the checkpoint was not trained
+        for: its ``skipdecode.json`` ``horizon`` (the training answers' median length), else the
+        default policy's, else 32. A shipped schedule re-timed without retraining
+        (:func:`skipdecode.skip_adapter.reschedule_adapter`) keeps the checkpoint's."""
+        saved = self.skip_config.get("horizon")
+        if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+            return saved
+        return int(getattr(self.policy, "horizon", 32))
 
     def trained_policy(self, speedup: float) -> SkipPolicy | None:
         """The schedule this checkpoint was trained with for ``speedup`` (a ratio, e.g. 2), or None.
@@ -197,6 +203,8 @@ class SkipModel:
                     f"{'/'.join(given)} alone gives no skipping on a full-depth model: add speedup or "
                     "max_layers/min_layers"
                 )
+            if not horizon_given and base is not None:
+                horizon = base.horizon  # kept from the default policy, as the other fields
             return LinearDecayPolicy(num_layers=self.num_layers, horizon=horizon, **params)
         if horizon_given:
             raise ValueError(
