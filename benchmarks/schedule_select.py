@@ -1,8 +1,9 @@
 """Choose the shipped adapter's 2x schedule on prompts it never trained on, not on the held-out set.
 
-Greedy answers of the embedded model with its skip adapter under linear-decay schedules with full-depth
-first steps (``K:MAX:MIN:HORIZON``: decode steps 1..K run all layers with the base weights, then the
-decay MAX -> MIN layers over HORIZON tokens; :class:`skipdecode.policy.LinearDecayPolicy`), scored
+Greedy answers of the embedded model with its skip adapter (``--adapter DIR``: a trained run's) under
+linear-decay schedules with full-depth first steps (``K:MAX:MIN:HORIZON``: decode steps 1..K run all
+layers with the base weights, then the decay MAX -> MIN layers over HORIZON tokens;
+:class:`skipdecode.policy.LinearDecayPolicy`), scored
 against the stock model at full depth like ``benchmarks/adapter_agreement.py`` (identical answers,
 ROUGE-L, first divergence, realised theoretical speedup).
 
@@ -91,6 +92,8 @@ def _plot(rows: list[dict], best: dict | None, path: Path, min_speedup: float) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="The shipped adapter under full-depth-first schedules, selection split.")
     ap.add_argument("--schedules", required=True, type=_schedules, help="comma-separated K:MAX:MIN:HORIZON")
+    ap.add_argument("--adapter", default=None, metavar="DIR",
+                    help="a trained run's adapter folder (e.g. runs/skip-adapter-v13/final) instead of the shipped one")
     ap.add_argument("--min-speedup", type=float, default=2.0, help="realised speedup the chosen schedule must reach")
     aa.add_common_args(ap, "schedule_select")
     args = ap.parse_args(argv)
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     L = stock.num_layers
     ref = aa.run(stock, prompts, FullPolicy(L), **kw)
     del stock
-    adapted = skipdecode.load()  # the shipped adapter
+    adapted = skipdecode.load(adapter=args.adapter or True)  # the shipped adapter by default
     rows = []
     for k, mx, mn, h in args.schedules:
         try:
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
            f"{r['theoretical_speedup']:.2f}x |" for r in rows]
     report = {"name": args.name,
               "command": " ".join(["python benchmarks/schedule_select.py", *(argv if argv is not None else sys.argv[1:])]),
-              "model": skipdecode.DEFAULT_MODEL, "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)",
+              "model": skipdecode.DEFAULT_MODEL, "adapter": aa.rel(args.adapter) if args.adapter else "skipdecode/skip_adapters/smollm2-135m-instruct (package data)",
               "split": "selection (train_adapter.py validation prompts, never trained on)",
               "n_prompts": len(prompts), "selection_sha256": adapter_prompts.sha256_text("\n".join(prompts)),
               "data_dir": "../shared/data" if args.data is None else aa.rel(args.data),

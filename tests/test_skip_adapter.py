@@ -204,8 +204,8 @@ def test_embedded_model_ships_its_2x_adapter():
     policy = adapted.policy
     assert policy.to_dict() == meta["policy"] and isinstance(policy, LinearDecayPolicy)
     assert adapted.policy_for(speedup=2) == policy  # --speedup 2 runs the schedule it was trained with
-    # ... after 2 decode steps at full depth, which run the stock weights: the stock model's first tokens
-    assert policy.full_depth_steps == meta["storage"]["full_depth_steps_added"]["k"] == 2
+    # ... after k >= 3 decode steps at full depth, which run the stock weights: the stock model's first tokens
+    assert policy.full_depth_steps == meta["storage"]["full_depth_steps_added"]["k"] >= 3
     kw = dict(max_new_tokens=3, chat=True)
     first = list(adapted.generate("Name three colors.", policy=policy, **kw).token_ids[0])
     assert len(first) == 3 and first == list(stock.generate("Name three colors.", **kw).token_ids[0])
