@@ -56,7 +56,7 @@ def generate(
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default: the floor of the model's own policy, e.g. its skip adapter's; without one, = --max-layers, a constant budget)."),
     warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
-    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="First decode steps that run every layer, with the base model's weights, before the decay (default: the model's schedule's, e.g. 2 for the embedded model's --speedup 2; 0: the paper's schedule)."),
+    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="First decode steps that run every layer, with the base model's weights, before the decay (default: the model's schedule's, e.g. 14 for the embedded model's --speedup 2; 0: the paper's schedule)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
