@@ -186,10 +186,17 @@ def add_common_args(ap: argparse.ArgumentParser, name: str) -> None:
 
 
 def common_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Check ``--limit`` (``ap.error``), set ``--threads``, and build the prompt splits ``(train,
-    heldout)`` checked against the committed manifest (exit 1 on a mismatch, 2 without data)."""
+    """Check ``--limit``, ``--batch-size`` and ``--max-new-tokens`` (``ap.error``), write a
+    ``--limit`` run under ``NAME_limitN`` unless ``--name`` is given (a smoke test never overwrites
+    the committed results), set ``--threads``, and build the prompt splits ``(train, heldout)``
+    checked against the committed manifest (exit 1 on a mismatch, 2 without data)."""
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit must be >= 1 (leave it out for every prompt), got {args.limit}")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.limit and args.name == ap.get_default("name"):  # a smoke test keeps the committed results
+        args.name = f"{args.name}_limit{args.limit}"
     import torch
 
     if args.threads:

@@ -108,15 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     stock = skipdecode.load(adapter=False)
     L = stock.num_layers
+    policies = []
+    for k, mx, mn, h in args.schedules:  # every schedule checked before any is run
+        try:
+            policies.append(((k, mx, mn, h), LinearDecayPolicy(L, mx, mn, 1, h, k)))
+        except ValueError as e:
+            ap.error(f"--schedules {k}:{mx}:{mn}:{h}: {e}")
     ref = aa.run(stock, prompts, FullPolicy(L), **kw)
     del stock
     adapted = skipdecode.load(adapter=args.adapter or True)  # the shipped adapter by default
     rows = []
-    for k, mx, mn, h in args.schedules:
-        try:
-            policy = LinearDecayPolicy(L, mx, mn, 1, h, k)
-        except ValueError as e:
-            ap.error(f"--schedules {k}:{mx}:{mn}:{h}: {e}")
+    for (k, mx, mn, h), policy in policies:
         out = aa.run(adapted, prompts, policy, **kw)
         row = {"schedule": f"{k}:{mx}:{mn}:{h}", "policy": policy.to_dict(), **aa.score(out, ref),
                **{f: out[f] for f in ("mean_active_layers", "theoretical_speedup", "seconds")}}

@@ -248,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             changes = reschedule_adapter(SHIPPED_DIR / "smollm2-135m-instruct", full_depth_steps=args.full_depth_steps,
                                          horizon=args.ship_horizon, note=args.note)
         except (AdapterError, ValueError) as e:
-            raise SystemExit(f"error: --reschedule: {e}")
+            message = str(e)
+            for field, flag in (("full_depth_steps", "--full-depth-steps"), ("horizon", "--ship-horizon")):
+                if message.startswith(field + " "):  # the library names its field: name the option
+                    message = flag + message[len(field):]
+            print(f"error: --reschedule: {message}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(dumps({"rescheduled": "src/skipdecode/skip_adapters/smollm2-135m-instruct", **changes}))
         return 0
     if args.install:

@@ -96,8 +96,20 @@ def test_train_adapter_reschedule_edits_the_package_copy(tmp_path, custom_run, m
     assert script.main(["--reschedule", "--full-depth-steps", "2", "--ship-horizon", "3", "--note", "n"]) == 0
     meta = json.loads((root / "smollm2-135m-instruct" / "skipdecode.json").read_text())
     assert meta["policy"]["horizon"] == 3 and meta["storage"]["full_depth_steps_added"]["note"] == "n"
-    with pytest.raises(SystemExit, match="--reschedule: .*horizon"):
-        script.main(["--reschedule", "--ship-horizon", "0"])
+    capsys.readouterr()
+    for args, words in ((["--ship-horizon", "0"], "error: --reschedule: --ship-horizon must be >= 1"),
+                        (["--full-depth-steps", "-1"], "error: --reschedule: --full-depth-steps must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--reschedule", *args])
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    # the same value again without --note keeps the stored note; another value drops it
+    assert script.main(["--reschedule", "--full-depth-steps", "2"]) == 0
+    storage = json.loads((root / "smollm2-135m-instruct" / "skipdecode.json").read_text())["storage"]
+    assert storage["full_depth_steps_added"]["note"] == "n"
+    assert script.main(["--reschedule", "--full-depth-steps", "3"]) == 0
+    storage = json.loads((root / "smollm2-135m-instruct" / "skipdecode.json").read_text())["storage"]
+    assert "note" not in storage["full_depth_steps_added"] and storage["horizon_changed"]["note"] == "n"
     shutil.rmtree(root)
-    with pytest.raises(SystemExit, match="--reschedule: .*skipdecode.json"):
+    with pytest.raises(SystemExit) as exc:
         script.main(["--reschedule", "--ship-horizon", "3"])
+    assert exc.value.code == 2 and "skipdecode.json" in capsys.readouterr().err

@@ -39,3 +39,22 @@ def test_schedules_option(script, capsys):
         with pytest.raises(SystemExit) as exc:
             script.main(["--schedules", bad])
         assert exc.value.code == 2 and "--schedules" in capsys.readouterr().err
+
+
+def test_probe_options_are_checked_and_a_smoke_test_keeps_the_committed_results(script, capsys, monkeypatch):
+    import argparse
+
+    import adapter_agreement as aa
+
+    for bad, flag in ((["--batch-size", "0"], "--batch-size"), (["--max-new-tokens", "0"], "--max-new-tokens")):
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--schedules", "1:25:5:4", *bad])
+        assert exc.value.code == 2 and f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+    monkeypatch.setattr(aa.adapter_prompts, "build_or_exit", lambda data, mismatch=None: ([], []))
+    ap = argparse.ArgumentParser()
+    aa.add_common_args(ap, "schedule_select")
+    for argv, name in ((["--limit", "2"], "schedule_select_limit2"), ([], "schedule_select"),
+                       (["--limit", "2", "--name", "mine"], "mine")):
+        args = ap.parse_args(argv)
+        aa.common_setup(ap, args)
+        assert args.name == name, argv

@@ -309,7 +309,8 @@ def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | Non
         folder: an installed adapter folder (e.g. ``SHIPPED_DIR / "smollm2-135m-instruct"``).
         full_depth_steps: k >= 0, or None (unchanged).
         horizon: T >= 1 (tokens), or None (unchanged).
-        note: free text stored with each change, or None.
+        note: free text stored with each change, or None (a change to the value already
+            recorded keeps its note; another value drops it).
 
     Returns:
         The storage records written (``full_depth_steps_added``, ``horizon_changed``).
@@ -334,6 +335,8 @@ def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | Non
             change["trained_with"] = old["trained_with"]
         if note is not None:
             change["note"] = note
+        elif "note" in old and all(old.get(f) == v for f, v in change.items() if f != "trained_with"):
+            change["note"] = old["note"]  # the same value again: keep how it was chosen
         storage[key] = change
     write_json_atomic(path, meta)
     return changes
