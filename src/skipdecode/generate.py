@@ -149,21 +149,20 @@ def generate_step(
     all_ids = input_ids
     tokens = input_ids
     full = tuple(range(adapter.num_layers))
+    base_weights = prefill_context or (lambda: base_prefill(adapter.model))  # the base model's weights
 
     for step in range(max_new_tokens):
         _sync(device)
         start = time.perf_counter()
         if step == 0:
             active = full
-            prefill_ctx = prefill_context() if prefill_context is not None else base_prefill(adapter.model)
-            with prefill_ctx:  # a decode-only skip adapter is off in the prefill
+            with base_weights():  # a decode-only skip adapter is off in the prefill
                 logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             active = policy.active_layers(step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             # a step that runs every layer runs the base model (a decode-only skip adapter is for skipping)
-            with (prefill_context() if prefill_context is not None else base_prefill(adapter.model)) \
-                    if len(active) == adapter.num_layers else nullcontext():
+            with base_weights() if len(active) == adapter.num_layers else nullcontext():
                 logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
         next_tokens = sample_rows(samplers, logits, all_ids)
         emitted = ~finished

@@ -13,7 +13,7 @@ from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
 from .limits import check_stop
 from .skip_config import weight_checksums
-from .policy import FullPolicy, SkipPolicy, for_speedup
+from .policy import FullPolicy, SkipPolicy, for_speedup, with_full_depth_steps
 from .prompts import Prompt
 from .sampling import SamplingParams
 
@@ -183,8 +183,8 @@ class SkipModel:
             raise ValueError(f"horizon must be an integer >= 1, got {horizon!r}")
         horizon = horizon if horizon_given else self.horizon
         if speedup is not None:
-            return self._with_full_depth_steps(self._for_speedup(speedup, horizon, horizon_given, fields),
-                                               fields.get("full_depth_steps"))
+            return with_full_depth_steps(self._for_speedup(speedup, horizon, horizon_given, fields),
+                                         fields.get("full_depth_steps"))
         given = {k: v for k, v in fields.items() if v is not None}
         # an explicit horizon alone re-times a linear-decay default instead of being ignored
         if given or (horizon_given and isinstance(self.policy, LinearDecayPolicy)):
@@ -221,18 +221,6 @@ class SkipModel:
                 and (warmup is None or warmup == getattr(trained, "warmup_layers", warmup)):
             return trained
         return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
-
-    @staticmethod
-    def _with_full_depth_steps(policy: SkipPolicy, k: int | None) -> SkipPolicy:
-        """``policy`` with ``full_depth_steps = k`` when ``k`` is given and it is a linear decay
-        (a full-depth policy has nothing to add). Raises ValueError for a bad ``k``."""
-        from dataclasses import replace
-
-        from .policy import LinearDecayPolicy
-
-        if k is None or not isinstance(policy, LinearDecayPolicy):
-            return policy
-        return replace(policy, full_depth_steps=k)
 
     def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:
         policy = policy or self.policy

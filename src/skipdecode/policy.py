@@ -14,7 +14,7 @@ every policy here (tested with hypothesis):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Protocol, runtime_checkable
@@ -27,6 +27,7 @@ __all__ = [
     "policy_from_dict",
     "theoretical_speedup",
     "speedup_label",
+    "with_full_depth_steps",
 ]
 
 
@@ -241,6 +242,15 @@ def for_speedup(
         warmup_layers=warmup_layers,
         horizon=horizon,
     )
+
+
+def with_full_depth_steps(policy: Any, k: int | None) -> Any:
+    """``policy`` with :attr:`LinearDecayPolicy.full_depth_steps` set to ``k`` (decode steps), or
+    ``policy`` itself when ``k`` is None or it is not a linear decay (a full-depth policy has
+    nothing to add). Raises ValueError (naming ``full_depth_steps``) for a bad ``k``."""
+    if k is None or not isinstance(policy, LinearDecayPolicy):
+        return policy
+    return replace(policy, full_depth_steps=k)
 
 
 def speedup_label(speedup: float) -> str:

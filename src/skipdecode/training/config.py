@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from ..data import TEMPLATES
-from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup, speedup_label
+from ..policy import LinearDecayPolicy, SkipPolicy, for_speedup, speedup_label, with_full_depth_steps
 
 __all__ = ["TrainConfig", "TrainConfigError", "build_policies", "RESUME_FIELDS", "TEACHER_FORCING_MODES", "TRAIN_SEED_MAX"]
 
@@ -445,10 +445,8 @@ def build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[t
         TrainConfigError: a schedule the model cannot run (e.g. a speedup above L / (w + 1));
             ``.field`` names the offending setting.
     """
-    pairs = _build_policies(config, num_layers, horizon)
-    k = config.full_depth_steps
-    return [(label, replace(p, full_depth_steps=k) if k and isinstance(p, LinearDecayPolicy) else p)
-            for label, p in pairs]
+    return [(label, with_full_depth_steps(p, config.full_depth_steps))
+            for label, p in _build_policies(config, num_layers, horizon)]
 
 
 def _build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[tuple[str, SkipPolicy]]:
