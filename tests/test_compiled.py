@@ -1,7 +1,7 @@
 """The compiled decode step (skipdecode.compiled): equal to eager, bounded variants, clean fallback.
 
-The fast tests use dynamo with the ``aot_eager`` backend (the same graph capture, graph break at
-the cache write and guards as inductor, without generating C++); the inductor tests compile real
+The fast tests use dynamo with the ``aot_eager`` backend (the same graph capture, cache write
+traced into the layer's graph, and guards as inductor, without generating C++); the inductor tests compile real
 kernels (about 10-30 s each on this CPU) and are marked slow, except one float32 Llama check.
 """
 
@@ -55,6 +55,12 @@ def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5, column_ma
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt_proj"])
 def test_compiled_equals_eager_aot(family, tokenizer):
     _check_equal(family, tokenizer, "aot_eager")
+
+
+def test_compiled_int4_layers_equal_eager_aot(tokenizer):
+    """int4 (PyTorch's kernel, what compile=True now compiles by layers) inside the layer graphs
+    equals eager int4 to 1e-5, tokens equal."""
+    _check_equal("llama", tokenizer, "aot_eager", "int4")
 
 
 def test_compiled_inductor_equals_eager_llama(tokenizer):
@@ -116,7 +122,7 @@ def test_compile_unavailable_reported(monkeypatch, tokenizer):
 def _kernels_equal(family, tokenizer, quantize):
     eager = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
     compiled = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
-    report = warm_up(compiled, compile_adapter(compiled.adapter, mode="auto"), (2,))
+    report = warm_up(compiled, compile_adapter(compiled.adapter, mode="kernels"), (2,))
     assert report.enabled and report.mode == "kernels", report.error
     for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
         le, te = _run(eager, policy)
@@ -142,6 +148,8 @@ def test_compile_mode_checks(tokenizer):
 
     sk = SkipModel(make_model("llama"), tokenizer)
     assert resolve_mode(sk.adapter, "auto") == "layers"
+    assert resolve_mode(SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer).adapter, "auto") == "kernels"
+    assert resolve_mode(SkipModel(quantize_model(make_model("llama"), "int4"), tokenizer).adapter, "auto") == "layers"
     with pytest.raises(ValueError, match="compile must be True, False or one of auto, kernels, layers"):
         resolve_mode(sk.adapter, "fast")
     with pytest.raises(ValueError, match="needs quantized weights"):
@@ -205,9 +213,9 @@ def test_compiled_inflight_steps_equal_eager(backend):
 
 
 def test_compile_failure_in_flight_falls_back_and_undoes_the_cache_write():
-    """A backend that fails on the attention graph, the one after the layer's (eager) cache write,
+    """A backend that fails on the layer's graph (attention, and the cache write traced inside it)
     at the first in-flight decode step (a SlotView): the engine falls back to eager, the failed
-    call's (layer, slot) lengths are put back, and the answers are exact."""
+    call's (layer, slot) lengths stay as they were, and the answers are exact."""
     from test_inflight import L
 
     def attention_fails(gm, example_inputs):
@@ -248,3 +256,60 @@ def test_warm_up_compiles_the_inflight_variants(tokenizer):
     while engine.busy:
         engine.step()
     assert report.enabled and counters["stats"]["unique_graphs"] == after_warm
+
+
+def test_compiled_layer_call_is_one_graph_without_breaks(tokenizer):
+    """The cache write is traced into the layer's graph (skipdecode.compiled._TracedWrite): static
+    batches and in-flight steps compile without a single graph break, so each decoder-layer call
+    is one compiled region (a break inside the attention once cost a resumed region, and its
+    guards, for every frame above it: about 7 regions per layer)."""
+    from torch._dynamo.utils import counters
+
+    from skipdecode.engine import Engine, Request
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=6), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    _run(sk, sk.policy_for(speedup=2.0, horizon=5))
+    engine = Engine(sk.adapter, max_batch_size=3)
+    for i in range(3):
+        engine.submit(Request(list(range(5, 8 + i)), max_new_tokens=5, policy=sk.policy_for(speedup=1.0 + i)))
+        engine.step()
+    while engine.busy:
+        engine.step()
+    assert report.enabled, report.error
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0
+
+
+def test_decode_write_targets():
+    """Where a compiled decode step writes: a SkipCache layer grows when full and reports the key
+    length after the write; consecutive slots of a SlotCache come as a view of their buffer rows,
+    others as slot indices; nothing changes the lengths until commit_decode_write."""
+    from skipdecode.cache import SkipCache, SlotCache
+
+    cache = SkipCache(num_layers=2, capacity=3)
+    kv = torch.randn(2, 1, 3, 4)
+    cache.update(kv, kv, 0)
+    write = cache.decode_write(0, rows=2)
+    assert write.keys.shape[2] > 3 and write.key_length == 4 and write.positions is None
+    assert torch.equal(write.keys[:, :, :3], kv) and cache.lengths == [3, 0]
+    cache.commit_decode_write(0, write)
+    assert cache.lengths == [4, 0]
+    assert cache.decode_write(1, rows=2) is None  # no buffer yet: the eager write
+    assert cache.decode_write(0, rows=1) is None  # another batch size
+
+    slots = SlotCache(num_layers=1, num_slots=4, capacity=4)
+    prefill = SkipCache(num_layers=1)
+    prefill.update(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), 0)
+    for slot in range(4):
+        slots.load_prefill(slot, prefill, 0, 0, 2)
+    view = slots.view(torch.tensor([1, 2]), torch.tensor([2, 2]), key_length=3)
+    write = view.decode_write(0, rows=2)
+    assert write.slots is None and write.keys.data_ptr() == slots.keys[0][1].data_ptr()
+    gathered = slots.view(torch.tensor([3, 0]), torch.tensor([2, 2]), key_length=3).decode_write(0, rows=2)
+    assert torch.equal(gathered.slots, torch.tensor([3, 0])) and gathered.keys.data_ptr() == slots.keys[0].data_ptr()
+    assert slots.lengths[0].tolist() == [2, 2, 2, 2]
+    view.commit_decode_write(0, write)
+    assert slots.lengths[0].tolist() == [2, 3, 3, 2]

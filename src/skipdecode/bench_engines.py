@@ -49,7 +49,7 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
     """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
 
     Each item is a weight format (float32, int8, int4) with an optional ``+compile`` (compile
-    mode "auto": the fused quantized products, or the layer calls of a float32 model) or
+    mode "auto": the fused int8 products, or the layer calls of a float32 or int4 model) or
     ``+compile-layers`` (mode "layers": every decoder-layer call); or ``bfloat16`` (the model's
     float weights cast to bfloat16, eager; :func:`variant_dtype`), fast on CPUs with AMX.
 

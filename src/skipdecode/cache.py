@@ -13,11 +13,34 @@ step's window on it (METHOD.md "Rows at different steps in one forward").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SkipCache", "SlotCache", "SlotView"]
+__all__ = ["SkipCache", "SlotCache", "SlotView", "DecodeWrite"]
+
+
+@dataclass
+class DecodeWrite:
+    """One layer's cache write in a decode step, as the compiled layer call makes it inside its
+    graph (:mod:`skipdecode.compiled`), with the bookkeeping left to the cache.
+
+    Attributes:
+        keys: the layer's key buffer, (B or S, H_kv, capacity, D).
+        values: its value buffer, same shape.
+        key_length: K, keys each row attends to after the write (tokens).
+        slots: (B,) long buffer row of each batch row, or None: batch row i is buffer row i
+            (a :class:`SkipCache` buffer, or a view of consecutive slots of a :class:`SlotCache`).
+        positions: (B,) long write position of each row, or None: every row writes at
+            position ``K - 1`` (:class:`SkipCache`).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_length: int
+    slots: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 class SkipCache:
@@ -108,6 +131,25 @@ class SkipCache:
         """Put back lengths taken by :meth:`snapshot_lengths` (positions written since are then
         ignored and overwritten by the next write)."""
         self.lengths[:] = snapshot
+
+    def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
+        """Where a compiled decode step writes its one new token in layer ``layer_idx``
+        (:mod:`skipdecode.compiled`): the layer's buffers, grown first if full, and the key
+        length after the write. None when the layer has no buffers yet or they hold another
+        batch size than ``rows`` (the caller then writes through :meth:`update`). Call
+        :meth:`commit_decode_write` once the write has run."""
+        k_buf = self.keys[layer_idx]
+        if k_buf is None or k_buf.shape[0] != rows:
+            return None
+        end = self.lengths[layer_idx] + 1
+        if end > k_buf.shape[-2]:
+            self._grow(layer_idx, k_buf[:, :, :1], self.values[layer_idx][:, :, :1], end)
+        return DecodeWrite(self.keys[layer_idx], self.values[layer_idx], end)
+
+    def commit_decode_write(self, layer_idx: int, write: "DecodeWrite") -> None:
+        """Record the token a :meth:`decode_write` target received: the layer's length becomes
+        ``write.key_length``."""
+        self.lengths[layer_idx] = write.key_length
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep batch rows ``rows`` (B',) (long indices into B) in every layer, e.g. to drop finished rows."""
@@ -270,6 +312,28 @@ class SlotView:
     def restore_lengths(self, snapshot: torch.Tensor) -> None:
         """Put back lengths taken by :meth:`snapshot_lengths`."""
         self.cache.lengths.copy_(snapshot)
+
+    def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
+        """Where a compiled decode step writes row i's new token in layer ``layer_idx``: slot
+        ``slots[i]``, position ``positions[i]`` of the layer's buffers (doubled first if needed),
+        returning ``key_length`` keys per row; consecutive slots are passed as a view of their
+        buffer rows (no gather). None when the layer has no buffers yet (the caller then writes
+        through :meth:`update`). Call :meth:`commit_decode_write` once the write has run."""
+        cache = self.cache
+        if cache.keys[layer_idx] is None:
+            return None
+        cache._ensure(layer_idx, cache.keys[layer_idx], cache.values[layer_idx], self.key_length)
+        k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
+        positions = self.positions.to(k_buf.device)
+        index = self._slot_index(k_buf)
+        if isinstance(index, slice):
+            return DecodeWrite(k_buf[index], v_buf[index], self.key_length, None, positions)
+        return DecodeWrite(k_buf, v_buf, self.key_length, index, positions)
+
+    def commit_decode_write(self, layer_idx: int, write: "DecodeWrite") -> None:
+        """Record the tokens a :meth:`decode_write` target received (each row's length at
+        ``layer_idx`` becomes its position + 1)."""
+        self.cache.lengths[layer_idx, self.slots] = self.positions + 1
 
     def _slot_index(self, buf: torch.Tensor) -> torch.Tensor | slice:
         first, n = int(self.slots[0]), len(self.slots)

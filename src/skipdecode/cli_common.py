@@ -137,7 +137,7 @@ def stop_from_options(stop) -> list:
 
 
 QUANTIZE_HELP = "Weight-only quantized decoder linears and LM head: int8 or int4 (default: float weights; docs/quantization.md)."
-COMPILE_HELP = ("torch.compile the decode step: the fused int8/int4 products with --quantize, else every decoder-layer "
+COMPILE_HELP = ("torch.compile the decode step: the fused int8 products with --quantize int8, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable).")
 
 COHORT_HELP = ("Waiting {what} join the running rows only in cohorts of at least this many (1: at once; larger: "

@@ -4,10 +4,14 @@ What is compiled: :func:`skipdecode.adapters.base.call_layer`, the one function 
 THE layer loop (:mod:`skipdecode.forward`) runs a stock decoder layer, for decode steps only (one
 new token per row; the prefill's layers stay eager), and the adapter's ``head`` (final norm and LM
 head) for one position per row. The layer module is an argument of the compiled
-function, so all layers of a model share its compiled code; the KV-cache write
-(:meth:`SkipCache.update`, plain Python bookkeeping with per-layer lengths) runs eagerly between
-two compiled regions (a deliberate graph break), so a growing cache never changes a compiled
-graph's code, only its symbolic key length.
+function, so all layers of a model share its compiled code. The KV-cache write is traced into
+the layer's graph (:class:`_TracedWrite`): the cache hands over the layer's preallocated buffers
+and the key length after the write (``decode_write``), the graph writes each row's new token in
+place and attends to the first ``key_length`` positions, and the cache's per-layer (or per-slot)
+lengths are bumped outside, after the call (``commit_decode_write``). So each layer call is one
+compiled region without a graph break, and a growing cache changes no graph's code (key length
+and buffer capacity are symbolic). A cache without ``decode_write`` gets the former path: its
+``update`` runs eagerly between two compiled regions (a graph break).
 
 Variants are bounded and do not depend on the skip policy: one graph (pair of regions) per
 distinct decoder-layer *attribute set* that dynamo specialises on (the layer index, which the
@@ -81,6 +85,44 @@ class _EagerCacheWrite:
         return self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class _TracedWrite:
+    """The layer's cache write *inside* the compiled graph (no graph break): each row's new token
+    goes into preallocated buffers and the layer attends to their first ``key_length`` positions.
+    Tracing it keeps one compiled region per layer call (a break inside the attention costs a
+    resumed region, and its guards, for every frame above it); the cache's lengths are bumped
+    outside, by ``commit_decode_write``.
+
+    ``keys``/``values`` (B, H_kv, capacity, D) hold batch row i in their row i (a
+    :class:`~skipdecode.cache.SkipCache` buffer, or a view of consecutive slots), unless ``slots``
+    (B,) maps rows to buffer rows. ``positions`` (B,) are the write positions; None: every row
+    writes at ``key_length - 1``.
+    """
+
+    def __init__(self, keys, values, key_length, slots, positions) -> None:
+        self.keys, self.values, self.key_length = keys, values, key_length
+        self.slots, self.positions = slots, positions
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Write (B, H_kv, 1, D) keys/values; return (B, H_kv, K, D) keys/values so far."""
+        K = self.key_length
+        if self.positions is None:
+            self.keys.narrow(2, K - 1, 1).copy_(key_states)
+            self.values.narrow(2, K - 1, 1).copy_(value_states)
+            return self.keys[:, :, :K], self.values[:, :, :K]
+        rows = self.slots if self.slots is not None else torch.arange(key_states.shape[0], device=key_states.device)
+        self.keys[rows, :, self.positions] = key_states[:, :, 0]
+        self.values[rows, :, self.positions] = value_states[:, :, 0]
+        if self.slots is None:
+            return self.keys[:, :, :K], self.values[:, :, :K]
+        return self.keys[:, :, :K].index_select(0, self.slots), self.values[:, :, :K].index_select(0, self.slots)
+
+
+def _decode_layer(layer, hidden, attention_mask, keys, values, key_length, slots, positions, cache_kw, extra):
+    """:func:`call_layer` for one decode step with the cache write traced (:class:`_TracedWrite`)."""
+    cache = _TracedWrite(keys, values, key_length, slots, positions)
+    return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+
+
 def compile_available() -> tuple[bool, str]:
     """Whether ``torch.compile`` with inductor can run here: ``(ok, reason when not)``.
 
@@ -98,7 +140,10 @@ COMPILE_MODES = ("auto", "kernels", "layers")
 
 
 def resolve_mode(adapter: Adapter, mode: str) -> str:
-    """``"auto"`` -> ``"kernels"`` when the model has quantized linears, else ``"layers"``.
+    """``"auto"`` -> ``"kernels"`` for int8 weights (its fused products, faster than int8 inside
+    the layer graphs on the AVX2 test CPU: 72 against 89 ms a 3x step), else ``"layers"`` (float and
+    int4 weights; int4 on PyTorch's kernel inside the layer graphs: 11.6 against 16.2 ms a 3x step
+    eagerly, docs/quantization.md).
 
     Raises:
         ValueError: ``mode`` is not one of :data:`COMPILE_MODES` (names ``compile``).
@@ -109,7 +154,7 @@ def resolve_mode(adapter: Adapter, mode: str) -> str:
         return mode
     from .quantize import quantized_mode
 
-    return "kernels" if quantized_mode(adapter.model) is not None else "layers"
+    return "kernels" if quantized_mode(adapter.model) == "int8" else "layers"
 
 
 def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True, mode: str = "layers") -> CompileReport:
@@ -150,22 +195,35 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             m.compiled_kernel = m.fuses_when_compiled  # int4 with PyTorch's kernel: stays on it
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
+    traced = torch.compile(_decode_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
+    index_of = _layer_indices(adapter)
 
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
-        wrapped = None if cache is None else _EagerCacheWrite(cache)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         lengths = cache.snapshot_lengths() if cache is not None else None
+        layer_idx = index_of.get(id(layer))
+        write = None
+        if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
+            write = cache.decode_write(layer_idx, hidden.shape[0])
         try:
             with torch._dynamo.config.patch(
                 recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
             ):
-                return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
+                if write is None:
+                    wrapped = None if cache is None else _EagerCacheWrite(cache)
+                    return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
+                for buf in (write.keys, write.values):  # capacity grows: never specialise on it
+                    torch._dynamo.maybe_mark_dynamic(buf, 2)
+                out = traced(layer, hidden, attention_mask, write.keys, write.values, write.key_length,
+                             write.slots, write.positions, cache_kw, extra)
+                cache.commit_decode_write(layer_idx, write)
+                return out
         except Exception as exc:  # compilation failed at run time: fall back for good
             report.enabled = False
             report.error = _one_line(exc)
@@ -177,6 +235,18 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
     adapter.compiled_layer_call = run
     _compile_head(adapter, backend, report)
     return report
+
+
+def _layer_indices(adapter: Adapter) -> dict[int, int]:
+    """``id(layer) -> index`` of every decoder layer whose attention writes the cache under that
+    index (HF attention modules pass their ``layer_idx`` to ``Cache.update``); a layer whose
+    attention says otherwise is left out and keeps the eager cache write."""
+    out = {}
+    for i, layer in enumerate(adapter.layers):
+        declared = {getattr(m, "layer_idx") for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        if declared <= {i}:
+            out[id(layer)] = i
+    return out
 
 
 def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None:

@@ -175,8 +175,8 @@ def load(
             kept as a float low-rank path beside the 4-bit weights (:mod:`skipdecode.lowrank`:
             merged, int4 would round most of it away).
         compile: False, True (= "auto"), "kernels" or "layers": compile the decode step
-            (:mod:`skipdecode.compiled`; "auto": the fused quantized products when
-            ``quantize`` is set, else every decoder-layer call) and warm it up at batch 1 here;
+            (:mod:`skipdecode.compiled`; "auto": the fused int8 products with
+            ``quantize="int8"``, else every decoder-layer call) and warm it up at batch 1 here;
             ``SkipModel.compile_report`` holds the compile time or, where compilation is
             unavailable, why it fell back to eager.
 
