@@ -66,6 +66,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
     p.add_argument("--cohort-size", type=int, default=1,
                    help="in-flight server: waiting requests join in cohorts of at least this many rows")
+    p.add_argument("--align-steps", type=int, default=0,
+                   help="in-flight server: `serve --align-steps` (hold waiting requests, at most this many "
+                        "steps, while every running row is older; 0: off)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="serve with `--no-prefix-cache` (default: the servers reuse shared prompt prefixes; "
                         "each row records the prompt tokens reused and computed, from /health)")
@@ -97,6 +100,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for option, value, allowed, ok in checks:
         if not ok:
             p.error(f"{option} must be {allowed}, got {value}")
+    if args.align_steps < 0:
+        p.error(f"--align-steps must be >= 0, got {args.align_steps}")
     if not 1 <= args.cohort_size <= args.max_batch_size:
         p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args
@@ -132,8 +137,11 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         cmd += ["--threads", str(args.threads)]
     if serial:
         cmd.append("--serial")
-    elif args.cohort_size != 1:
-        cmd += ["--cohort-size", str(args.cohort_size)]
+    else:
+        if args.cohort_size != 1:
+            cmd += ["--cohort-size", str(args.cohort_size)]
+        if args.align_steps:
+            cmd += ["--align-steps", str(args.align_steps)]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -380,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
-        "cohort_size": args.cohort_size, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
+        "cohort_size": args.cohort_size, "align_steps": args.align_steps, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
         "dtype": args.dtype, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

@@ -456,6 +456,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
+    align_steps: int = typer.Option(0, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is older, so that rows join in waves and share their full-depth steps (0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
@@ -473,6 +474,10 @@ def serve(
         fail("--cohort-size applies to in-flight batching; drop it or --serial")
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
+    if align_steps < 0:
+        fail(f"--align-steps must be >= 0, got {align_steps}")
+    if align_steps and serial:
+        fail("--align-steps applies to in-flight batching; drop it or --serial")
     check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
@@ -483,7 +488,7 @@ def serve(
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
-                      cohort_size=cohort_size, prefix_cache=prefix_cache)
+                      cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
     uvicorn.run(app_, host=host, port=port, log_level="info")
 
 

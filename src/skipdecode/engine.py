@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .adapters import Adapter
+from .admission import check_align_steps, may_join
 from .cache import SkipCache, SlotCache
 from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
@@ -146,6 +147,9 @@ class Engine:
             step (lowest time to first token). Larger cohorts keep the running rows at fewer
             distinct decode steps, so a step runs fewer layers: under one decaying schedule a
             step reads the layers of its youngest row (docs/inflight-batching.md).
+        align_steps: A >= 0 (engine steps): while every running row is more than A decode steps
+            old, waiting requests wait, at most A steps, and then join together, so rows share
+            their full-depth steps (:mod:`skipdecode.admission`; 0, the default: never hold).
         prefix_cache: automatic prefix caching (:mod:`skipdecode.prefix_cache`): True (default)
             with a budget of :data:`~skipdecode.prefix_cache.DEFAULT_PREFIX_TOKENS` tokens, an
             integer for that budget (tokens), False or 0 for off. Joining requests whose prompts
@@ -156,12 +160,13 @@ class Engine:
             ``stats()`` are the engine's prefix-cache statistics.
 
     Raises:
-        ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``], or a
-            ``prefix_cache`` that is not True, False or a token budget (0 or >= 8).
+        ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``],
+            ``align_steps`` < 0, or a ``prefix_cache`` that is not True, False or a token budget
+            (0 or >= 8).
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
-                 cohort_size: int = 1, prefix_cache: bool | int = True) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
@@ -169,6 +174,8 @@ class Engine:
         budget = prefix_cache_budget(prefix_cache)
         self.prefix_cache = PrefixCache(budget) if budget else None
         self.cohort_size = cohort_size
+        self.align_steps = check_align_steps(align_steps)
+        self._queued_at: dict[int, int] = {}  # id(request) -> engine step it was submitted at
         self.adapter = adapter
         self.max_batch_size = max_batch_size
         self.keep_logits = keep_logits
@@ -211,6 +218,7 @@ class Engine:
         """
         self.check(request)
         self.waiting.append(request)
+        self._queued_at[id(request)] = self.steps
 
     def cancel(self, request: Request) -> None:
         """Drop ``request`` (waiting or running) at the start of the next :meth:`step`; its slot is freed."""
@@ -239,6 +247,7 @@ class Engine:
         if self._cohort_may_join():
             while self.waiting and len(joiners) < len(self.free_slots):
                 joiners.append(self.waiting.popleft())
+                self._queued_at.pop(id(joiners[-1]), None)
         if joiners:
             events += self._prefill(joiners)
         self.steps += 1
@@ -246,15 +255,18 @@ class Engine:
         return events
 
     def _cohort_may_join(self) -> bool:
-        """Whether waiting requests join at this step: no row runs, or the free slots hold a
-        cohort of ``cohort_size`` rows, or every waiting request."""
-        free = len(self.free_slots)
-        return bool(self.waiting) and (not self.running or free >= min(self.cohort_size, len(self.waiting)))
+        """Whether waiting requests join at this step (:func:`skipdecode.admission.may_join`: no
+        row runs, or the cohort and alignment rules let them)."""
+        waited = self.steps - self._queued_at.get(id(self.waiting[0]), self.steps) if self.waiting else 0
+        return may_join(len(self.free_slots), len(self.waiting), [r.step for r in self.running],
+                        self.cohort_size, self.align_steps, waited)
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
             return
         self.waiting = deque(r for r in self.waiting if id(r) not in self._cancelled)
+        for key in self._cancelled:
+            self._queued_at.pop(key, None)
         for row in [r for r in self.running if id(r.request) in self._cancelled]:
             row.finished, row.reason = True, "cancelled"
             self._release(row)

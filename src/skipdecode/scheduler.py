@@ -38,18 +38,20 @@ class Scheduler:
             is filled at the next step).
         prefix_cache: the engine's automatic prefix caching (:class:`Engine`): True (default
             budget), a token budget, or False/0 (off).
+        align_steps: the engine's age alignment (:class:`Engine`, :mod:`skipdecode.admission`):
+            waiting requests wait at most this many steps while every running row is older (0: off).
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], or a bad ``prefix_cache``.
+            [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256,
-                 cohort_size: int = 1, prefix_cache: bool | int = True) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
-        self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache)
+        self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
         self.engine = Engine(adapter, max_batch_size, **self._engine_options)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -117,6 +119,7 @@ class Scheduler:
                 "max_batch_size": self.max_batch_size,
                 "max_waiting": self.max_waiting,
                 "cohort_size": self.engine.cohort_size,
+                "align_steps": self.engine.align_steps,
                 "prefix_cache": None if pc is None else pc.stats(),
             }
 

@@ -116,13 +116,15 @@ def create_app(
     max_request_bytes: int = 1_000_000,
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
+    align_steps: int = 0,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
     Requests share forward passes through one in-flight :class:`~skipdecode.scheduler.Scheduler`
     (``max_batch_size`` rows decode at once, ``max_waiting`` rows may wait for a slot; a full
     queue answers 429; waiting requests join in cohorts of at least ``cohort_size`` rows, see
-    :class:`~skipdecode.engine.Engine`). ``serial`` serves one row at a time (the one-at-a-time design, kept for
+    :class:`~skipdecode.engine.Engine`; ``align_steps`` > 0 holds them, at most that many steps,
+    while every running row is older, :mod:`skipdecode.admission`). ``serial`` serves one row at a time (the one-at-a-time design, kept for
     comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
     before it is read. ``prefix_cache`` is the engine's automatic prefix caching (True: the
     default token budget, an integer: that budget, False/0: off; :class:`~skipdecode.engine.Engine`):
@@ -139,12 +141,14 @@ def create_app(
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], or a bad ``prefix_cache`` (:class:`~skipdecode.scheduler.Scheduler`).
+            [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
+            (:class:`~skipdecode.scheduler.Scheduler`).
     """
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
-                          cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache)
+                          cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache,
+                          align_steps=0 if serial else align_steps)
     executor = Executor(model, scheduler)
     app.state.scheduler = scheduler
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
