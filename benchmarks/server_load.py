@@ -102,6 +102,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{option} must be {allowed}, got {value}")
     if args.align_steps < 0:
         p.error(f"--align-steps must be >= 0, got {args.align_steps}")
+    if args.align_steps and "inflight" not in args.modes:
+        p.error("--align-steps applies to the in-flight server; add --modes inflight or drop it")
     if not 1 <= args.cohort_size <= args.max_batch_size:
         p.error(f"--cohort-size must be in [1, --max-batch-size={args.max_batch_size}], got {args.cohort_size}")
     return args

@@ -285,8 +285,8 @@ def test_compiled_layer_call_is_one_graph_without_breaks(tokenizer):
 
 def test_decode_write_targets():
     """Where a compiled decode step writes: a SkipCache layer grows when full and reports the key
-    length after the write; consecutive slots of a SlotCache come as a view of their buffer rows,
-    others as slot indices; nothing changes the lengths until commit_decode_write."""
+    length after the write; a SlotView hands over the slot buffers and its slots and positions;
+    nothing changes the lengths until commit_decode_write."""
     from skipdecode.cache import SkipCache, SlotCache
 
     cache = SkipCache(num_layers=2, capacity=3)
@@ -306,10 +306,11 @@ def test_decode_write_targets():
     for slot in range(4):
         slots.load_prefill(slot, prefill, 0, 0, 2)
     view = slots.view(torch.tensor([1, 2]), torch.tensor([2, 2]), key_length=3)
-    write = view.decode_write(0, rows=2)
-    assert write.slots is None and write.keys.data_ptr() == slots.keys[0][1].data_ptr()
+    write = view.decode_write(0, rows=2)  # consecutive slots too: gathered, one layout for every step
+    assert torch.equal(write.slots, torch.tensor([1, 2])) and write.keys is slots.keys[0]
+    assert torch.equal(write.positions, torch.tensor([2, 2])) and write.key_length == 3
     gathered = slots.view(torch.tensor([3, 0]), torch.tensor([2, 2]), key_length=3).decode_write(0, rows=2)
-    assert torch.equal(gathered.slots, torch.tensor([3, 0])) and gathered.keys.data_ptr() == slots.keys[0].data_ptr()
+    assert torch.equal(gathered.slots, torch.tensor([3, 0])) and gathered.keys is slots.keys[0]
     assert slots.lengths[0].tolist() == [2, 2, 2, 2]
     view.commit_decode_write(0, write)
     assert slots.lengths[0].tolist() == [2, 3, 3, 2]

@@ -150,3 +150,24 @@ def test_compiled_layers_give_the_eager_tokens_with_full_depth_steps(base_dir, d
         got = compiled.generate(prompts, policy=WARM, max_new_tokens=N_NEW, chat=False, **kw)
         assert [list(t) for t in got.token_ids] == [list(t) for t in want.token_ids]
     assert report.enabled, report.error
+
+
+def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(base_dir, decode_only_dir):  # noqa: F811
+    """With a decode-only adapter and a schedule with full-depth first steps (the embedded
+    model's shipped 2x), static generations after :func:`warm_up` compile nothing new, past the
+    full-depth steps too (a user's `generate --speedup 2 --compile` once recompiled inside its
+    timed steps when the switch first flipped from the base weights to the adapter)."""
+    from torch._dynamo.utils import counters
+
+    from skipdecode.compiled import compile_adapter, warm_up
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = load(str(base_dir), adapter=str(decode_only_dir))
+    sk.policy = WARM
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    for B in (1, 2, 3):
+        sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
+    assert report.enabled, report.error
+    assert counters["stats"]["unique_graphs"] == after_warm

@@ -29,9 +29,10 @@ class DecodeWrite:
     Attributes:
         keys: the layer's key buffer, (B or S, H_kv, capacity, D).
         values: its value buffer, same shape.
-        key_length: K, keys each row attends to after the write (tokens).
-        slots: (B,) long buffer row of each batch row, or None: batch row i is buffer row i
-            (a :class:`SkipCache` buffer, or a view of consecutive slots of a :class:`SlotCache`).
+        key_length: K, keys returned per row after the write (tokens; in a :class:`SlotView`
+            ``max(positions) + 1``, each row's attention mask hiding the positions after its own).
+        slots: (B,) long buffer row (slot) of each batch row (:class:`SlotView`), or None: batch
+            row i is buffer row i (:class:`SkipCache`).
         positions: (B,) long write position of each row, or None: every row writes at
             position ``K - 1`` (:class:`SkipCache`).
     """
@@ -315,24 +316,22 @@ class SlotView:
 
     def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
         """Where a compiled decode step writes row i's new token in layer ``layer_idx``: slot
-        ``slots[i]``, position ``positions[i]`` of the layer's buffers (doubled first if needed),
-        returning ``key_length`` keys per row; consecutive slots are passed as a view of their
-        buffer rows (no gather). None when the layer has no buffers yet (the caller then writes
-        through :meth:`update`). Call :meth:`commit_decode_write` once the write has run."""
+        ``slots[i]``, position ``positions[i]`` of the layer's (S, H_kv, capacity, D) buffers
+        (doubled first if needed), returning ``key_length`` keys per row, gathered from the
+        buffers whether or not the slots are consecutive (one graph layout for every step: a view
+        of consecutive slots would add variants per storage offset). None when the layer has no
+        buffers yet (the caller then writes through :meth:`update`). ``rows`` (the batch size) is
+        ``len(slots)`` here and not checked. Call :meth:`commit_decode_write` once the write has run."""
         cache = self.cache
         if cache.keys[layer_idx] is None:
             return None
         cache._ensure(layer_idx, cache.keys[layer_idx], cache.values[layer_idx], self.key_length)
         k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
-        positions = self.positions.to(k_buf.device)
-        index = self._slot_index(k_buf)
-        if isinstance(index, slice):
-            return DecodeWrite(k_buf[index], v_buf[index], self.key_length, None, positions)
-        return DecodeWrite(k_buf, v_buf, self.key_length, index, positions)
+        return DecodeWrite(k_buf, v_buf, self.key_length, self.slots.to(k_buf.device), self.positions.to(k_buf.device))
 
     def commit_decode_write(self, layer_idx: int, write: "DecodeWrite") -> None:
         """Record the tokens a :meth:`decode_write` target received (each row's length at
-        ``layer_idx`` becomes its position + 1)."""
+        ``layer_idx`` becomes its position + 1; ``write`` itself is not needed here)."""
         self.cache.lengths[layer_idx, self.slots] = self.positions + 1
 
     def _slot_index(self, buf: torch.Tensor) -> torch.Tensor | slice:

@@ -456,7 +456,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
-    align_steps: int = typer.Option(0, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is older, so that rows join in waves and share their full-depth steps (0: off; docs/serving.md)."),
+    align_steps: int = typer.Option(0, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),

@@ -13,10 +13,11 @@ compiled region without a graph break, and a growing cache changes no graph's co
 and buffer capacity are symbolic). A cache without ``decode_write`` gets the former path: its
 ``update`` runs eagerly between two compiled regions (a graph break).
 
-Variants are bounded and do not depend on the skip policy: one graph (pair of regions) per
-distinct decoder-layer *attribute set* that dynamo specialises on (the layer index, which the
-stock attention passes to the cache: at most ``num_layers``), with batch size and key length
-symbolic after their second value (dynamo's automatic dynamic shapes). The number of
+Variants are bounded and do not grow with the policy or the layer count: one graph per cache
+layout (a static batch, or slots gathered from a :class:`~skipdecode.cache.SlotCache`), per state of a decode-only adapter's
+switch (base weights, adapter, rows of both) and per batch size until it becomes symbolic (1 is
+always its own); layer indices are not specialised, and batch size, key length and buffer
+capacity are symbolic after their second value (dynamo's automatic dynamic shapes). The number of
 recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
 With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
 loop (the fast int8/int4 path).
@@ -92,10 +93,10 @@ class _TracedWrite:
     resumed region, and its guards, for every frame above it); the cache's lengths are bumped
     outside, by ``commit_decode_write``.
 
-    ``keys``/``values`` (B, H_kv, capacity, D) hold batch row i in their row i (a
-    :class:`~skipdecode.cache.SkipCache` buffer, or a view of consecutive slots), unless ``slots``
-    (B,) maps rows to buffer rows. ``positions`` (B,) are the write positions; None: every row
-    writes at ``key_length - 1``.
+    ``keys``/``values`` are (B, H_kv, capacity, D) buffers holding batch row i in their row i
+    (a :class:`~skipdecode.cache.SkipCache`, ``slots`` None), or (S, H_kv, capacity, D) slot
+    buffers with ``slots`` (B,) mapping rows to slots. ``positions`` (B,) are the write
+    positions; None: every row writes at ``key_length - 1``.
     """
 
     def __init__(self, keys, values, key_length, slots, positions) -> None:
@@ -109,11 +110,8 @@ class _TracedWrite:
             self.keys.narrow(2, K - 1, 1).copy_(key_states)
             self.values.narrow(2, K - 1, 1).copy_(value_states)
             return self.keys[:, :, :K], self.values[:, :, :K]
-        rows = self.slots if self.slots is not None else torch.arange(key_states.shape[0], device=key_states.device)
-        self.keys[rows, :, self.positions] = key_states[:, :, 0]
-        self.values[rows, :, self.positions] = value_states[:, :, 0]
-        if self.slots is None:
-            return self.keys[:, :, :K], self.values[:, :, :K]
+        self.keys[self.slots, :, self.positions] = key_states[:, :, 0]
+        self.values[self.slots, :, self.positions] = value_states[:, :, 0]
         return self.keys[:, :, :K].index_select(0, self.slots), self.values[:, :, :K].index_select(0, self.slots)
 
 
@@ -218,7 +216,8 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 if write is None:
                     wrapped = None if cache is None else _EagerCacheWrite(cache)
                     return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
-                for buf in (write.keys, write.values):  # capacity grows: never specialise on it
+                for buf in (write.keys, write.values):  # slots and capacity vary: never specialise on them
+                    torch._dynamo.maybe_mark_dynamic(buf, 0)
                     torch._dynamo.maybe_mark_dynamic(buf, 2)
                 out = traced(layer, hidden, attention_mask, write.keys, write.values, write.key_length,
                              write.slots, write.positions, cache_kw, extra)
@@ -272,33 +271,54 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
     adapter.head = head
 
 
+def _warm_policy(sk):
+    """The skipping policy the warm-up decodes with: the model's own when it skips (e.g. the
+    shipped 2x, whose full-depth first steps flip a decode-only adapter's switch to the base
+    weights), else a 2x decay over 2 tokens; None for models under 4 layers."""
+    from .policy import LinearDecayPolicy, for_speedup
+
+    if isinstance(sk.policy, LinearDecayPolicy):
+        return sk.policy
+    L = sk.adapter.num_layers
+    return for_speedup(L, 2.0, horizon=2) if L >= 4 else None
+
+
 def _warm_up_inflight(sk, new_tokens: int) -> None:
     """Compile the in-flight variants too (:class:`~skipdecode.engine.Engine`: a slot cache, rows
-    of different ages whose plans differ, so layers run on one row or on both): one request, then
-    a second joining two steps later, under a 2x schedule."""
+    of different ages whose plans differ, so layers run on one row or on several): one request,
+    then a second joining two steps later; then three rows in consecutive slots mixing full depth
+    and the skipping policy, whose middle one ends early so that the others run in slots that are
+    not consecutive (keys gathered from the buffer) with full-depth and skipping rows mixed, alone
+    and together."""
     from .engine import Engine, Request
-    from .policy import for_speedup
 
-    L = sk.adapter.num_layers
-    policy = for_speedup(L, 2.0, horizon=2) if L >= 4 else None
+    policy = _warm_policy(sk)
+    lead = getattr(policy, "full_depth_steps", 0)
     ids = sk.tokenizer("Hello there, how are you?")["input_ids"] or [0]
     engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
-    engine.submit(Request(list(ids), max_new_tokens=new_tokens + 2, policy=policy))
+    engine.submit(Request(list(ids), max_new_tokens=lead + new_tokens + 2, policy=policy))
     for _ in range(2):
         engine.step()
-    engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=new_tokens, policy=policy))
+    engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=lead + new_tokens, policy=policy))
     while engine.busy:
         engine.step()
+    for plans in ((None, policy, policy), (policy, None, None)):
+        engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)
+        for i, plan in enumerate(plans):
+            engine.submit(Request(list(ids), max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
+        while engine.busy:
+            engine.step()
 
 
 def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
     """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
 
-    Each generation runs the prefill (eager) and ``new_tokens - 1`` decode steps at full depth
-    (every layer, so every layer's variant is compiled) with two different key lengths, which is
-    what makes key length symbolic; then two in-flight rows of different ages under a 2x schedule
-    compile the engine's variants (:func:`_warm_up_inflight`). Adds the wall-clock seconds to
-    ``report.compile_seconds``.
+    Per batch size, one generation runs the prefill (eager) and ``new_tokens - 1`` decode steps
+    at full depth (every layer, so every layer's variant is compiled) with two different key
+    lengths, which is what makes key length symbolic, and one runs the model's skipping policy
+    past its full-depth first steps (:func:`_warm_policy`); then in-flight rows of different ages,
+    plans and slot layouts compile the engine's variants (:func:`_warm_up_inflight`). Adds the
+    wall-clock seconds to ``report.compile_seconds``.
 
     Args:
         sk: a :class:`skipdecode.model.SkipModel` whose adapter went through :func:`compile_adapter`.
@@ -316,9 +336,14 @@ def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_
     from .generate import generate
 
     start = time.perf_counter()
+    policy = _warm_policy(sk)
+    lead = getattr(policy, "full_depth_steps", 0)
     for B in batch_sizes:
-        generate(sk.adapter, sk.tokenizer, ["Hello there, how are you?"] * B, max_new_tokens=new_tokens,
-                 eos_token_ids=[], chat=False)
+        prompts = ["Hello there, how are you?"] * B
+        generate(sk.adapter, sk.tokenizer, prompts, max_new_tokens=new_tokens, eos_token_ids=[], chat=False)
+        if policy is not None:  # skipping steps (and a decode-only adapter's switch both ways)
+            generate(sk.adapter, sk.tokenizer, prompts, policy=policy, max_new_tokens=lead + new_tokens,
+                     eos_token_ids=[], chat=False)
         report.warmed_batch_sizes.append(B)
     _warm_up_inflight(sk, new_tokens)
     report.compile_seconds += time.perf_counter() - start
