@@ -204,11 +204,12 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        lengths = cache.snapshot_lengths() if cache is not None else None
         layer_idx = index_of.get(id(layer))
         write = None
         if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
             write = cache.decode_write(layer_idx, hidden.shape[0])
+        # only an eager write can change the lengths before a failure (the traced one commits after)
+        lengths = cache.snapshot_lengths() if cache is not None and write is None else None
         try:
             with torch._dynamo.config.patch(
                 recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
@@ -227,7 +228,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             report.enabled = False
             report.error = _one_line(exc)
             adapter.compiled_layer_call = None
-            if cache is not None:  # undo a cache write the failed call may have made
+            if lengths is not None:  # undo an eager cache write the failed call may have made
                 cache.restore_lengths(lengths)
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
 
