@@ -161,6 +161,39 @@ def test_a_reusing_prefill_runs_only_the_tokens_after_the_prefix():
         handle.remove()
 
 
+def test_rows_from_different_prefixes_share_one_prefill_call_and_equal_solo(family):
+    """Joiners at one step that start from a 32-token entry, a 16-token entry and none run as one
+    left-padded forward (layer 0 sees one batch of 3 rows and the longest remaining suffix; before, one call per entry), and
+    every row still gets its solo tokens and logits: a row's prefix sits right-aligned after
+    padding, and its own tokens continue from its own prefix length."""
+    adapter = adapter_of(family)
+    seen: list[tuple[int, int]] = []
+    eng = Engine(adapter, max_batch_size=6, keep_logits=True)
+    eng.run([Request(PREFIX + ids(3, 1), 2), Request(PREFIX + ids(5, 2), 2)])  # stores PREFIX (32)
+    eng.run([Request(PREFIX[:20] + ids(6, 3), 2), Request(PREFIX[:20] + ids(4, 4), 2)])  # stores 16
+    assert sorted(len(t) for t in eng.prefix_cache.entries) == [16, 32]
+    reqs = [Request(PREFIX + ids(12, 5), 6, POLICIES[1]),       # reuses 32, runs 12
+            Request(PREFIX[:20] + ids(9, 6), 6, POLICIES[2]),   # reuses 16, runs 13
+            Request(OTHER[:10] + ids(4, 7), 6, POLICIES[3])]    # reuses nothing, runs 14
+    handle = adapter.layers[0].register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape[:2])))
+    try:
+        for r in reqs:
+            eng.submit(r)
+        got = {id(r): ([], []) for r in reqs}
+        rows = {}
+        while eng.busy:
+            for ev in eng.step():
+                rows[id(ev.row.request)] = ev.row
+                got[id(ev.row.request)][0].append(ev.token)
+                got[id(ev.row.request)][1].append(ev.logits)
+                if ev.step == 0:
+                    assert seen == [(3, 14)]  # one prefill call: 3 rows, the longest suffix
+    finally:
+        handle.remove()
+    assert [rows[id(r)].cached_prompt_tokens for r in reqs] == [SHARED, 16, 0]
+    assert_solo(adapter, reqs, [(got[id(r)][0], torch.stack(got[id(r)][1])) for r in reqs])
+
+
 def test_cache_lengths_per_layer_and_slot_are_the_whole_prompt_after_a_cached_join(family):
     adapter = adapter_of(family)
     eng = Engine(adapter, max_batch_size=4)

@@ -208,21 +208,23 @@ class SlotCache:
             v_buf[:, :, : old_k.shape[2]] = self.values[layer_idx]
         self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
 
-    def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int, prefix: int = 0) -> None:
+    def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int, prefix: int = 0,
+                     prefix_start: int = 0) -> None:
         """Copy batch row ``row`` of a prefilled :class:`SkipCache` (every layer) into ``slot``:
-        its columns ``0:prefix`` (a cached prompt prefix, :mod:`skipdecode.prefix_cache`) then
-        ``start:end`` (the positions it computed), as the slot's positions
-        ``0:prefix + end - start``; the slot's lengths become that in every layer. ``start`` skips
-        the row's left padding, which sits between the prefix and the computed positions
-        (columns, tokens).
+        its columns ``prefix_start : prefix_start + prefix`` (a cached prompt prefix,
+        :mod:`skipdecode.prefix_cache`; ``prefix_start`` > 0 when rows with longer prefixes share
+        the batch, :func:`~skipdecode.prefix_cache.prefix_skip_cache`) then ``start:end`` (the
+        positions it computed), as the slot's positions ``0:prefix + end - start``; the slot's
+        lengths become that in every layer. ``start`` skips the row's left padding, which sits
+        between the prefix and the computed positions (columns, tokens).
 
         Raises:
-            ValueError: not ``0 <= prefix <= start <= end``, or a layer of ``source`` does not
-                hold ``end`` positions (not a full-depth prefill).
+            ValueError: not ``0 <= prefix_start`` and ``prefix_start + prefix <= start <= end``,
+                or a layer of ``source`` does not hold ``end`` positions (not a full-depth prefill).
         """
-        if not 0 <= prefix <= start <= end:
-            raise ValueError(f"load_prefill needs 0 <= prefix <= start <= end, got prefix={prefix}, "
-                             f"start={start}, end={end}")
+        if not (0 <= prefix_start and 0 <= prefix and prefix_start + prefix <= start <= end):
+            raise ValueError(f"load_prefill needs 0 <= prefix_start, prefix_start + prefix <= start <= end, got "
+                             f"prefix_start={prefix_start}, prefix={prefix}, start={start}, end={end}")
         n = prefix + end - start
         for layer_idx in range(self.num_layers):
             if source.lengths[layer_idx] < end or source.keys[layer_idx] is None:
@@ -233,8 +235,8 @@ class SlotCache:
             k_src, v_src = source.keys[layer_idx], source.values[layer_idx]
             self._ensure(layer_idx, k_src, v_src, n)
             k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-            k_buf[slot, :, :prefix] = k_src[row, :, :prefix]
-            v_buf[slot, :, :prefix] = v_src[row, :, :prefix]
+            k_buf[slot, :, :prefix] = k_src[row, :, prefix_start : prefix_start + prefix]
+            v_buf[slot, :, :prefix] = v_src[row, :, prefix_start : prefix_start + prefix]
             k_buf[slot, :, prefix:n] = k_src[row, :, start:end]
             v_buf[slot, :, prefix:n] = v_src[row, :, start:end]
         self.lengths[:, slot] = n

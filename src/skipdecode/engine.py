@@ -35,7 +35,7 @@ from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
 from .policy import FullPolicy, SkipPolicy
-from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget
+from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight", "length_buckets", "mean_batch_rows"]
@@ -278,25 +278,21 @@ class Engine:
         heapq.heappush(self.free_slots, row.slot)
 
     def _prefill(self, joiners: list[Request]) -> list[TokenEvent]:
-        """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), grouped by
-        the stored prefix each prompt starts with (prompts without one: a plain prefill), each
-        group in left-padded batches of similar lengths (:func:`length_buckets`); then store
-        newly shared prefixes."""
+        """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), each prompt
+        after the stored prefix it starts with (none: the whole prompt), in left-padded batches of
+        similar remaining lengths (:func:`length_buckets`) whatever prefix each row starts from
+        (:func:`~skipdecode.prefix_cache.prefix_skip_cache`); then store newly shared prefixes."""
         start = time.perf_counter()
         slots = [heapq.heappop(self.free_slots) for _ in joiners]
         pc = self.prefix_cache
         if pc is not None:
             self._reuse_recent_prefixes(joiners)
         matches = [pc.lookup(r.prompt_ids) if pc is not None else (None, 0) for r in joiners]
-        groups: dict[int, list[int]] = {}
-        for i, (entry, _) in enumerate(matches):
-            groups.setdefault(id(entry), []).append(i)
-        batches = [[idx[k] for k in bucket]
-                   for idx in groups.values()
-                   for bucket in length_buckets([len(joiners[i].prompt_ids) - matches[i][1] for i in idx])]
+        batches = length_buckets([len(r.prompt_ids) - p for r, (_, p) in zip(joiners, matches)])
         logits: list[torch.Tensor | None] = [None] * len(joiners)
         for idx in batches:
-            out = self._prefill_group([joiners[i] for i in idx], [slots[i] for i in idx], matches[idx[0]][0])
+            out = self._prefill_group([joiners[i] for i in idx], [slots[i] for i in idx],
+                                      [matches[i][0] for i in idx])
             for k, i in enumerate(idx):
                 logits[i] = out[k]
         rows = [
@@ -313,33 +309,38 @@ class Engine:
         self.running = sorted(self.running + rows, key=lambda row: row.slot)
         return self._emit(rows, torch.stack(logits), [self.adapter.num_layers] * len(rows), start)
 
-    def _prefill_group(self, reqs: list[Request], slots: list[int], entry: PrefixEntry | None) -> torch.Tensor:
-        """Prefill ``reqs`` that all start with ``entry`` (p tokens; None: p = 0) at full depth
-        and load them into ``slots``; returns their last logits (B, V).
+    def _prefill_group(self, reqs: list[Request], slots: list[int],
+                       entries: list[PrefixEntry | None]) -> torch.Tensor:
+        """Prefill ``reqs`` at full depth, row i after its stored prefix ``entries[i]`` (p_i
+        tokens; None: p_i = 0), and load them into ``slots``; returns their last logits (B, V).
 
-        Each row runs its prompt's tokens after the prefix, left-padded among the group: columns
-        ``[prefix p][padding][own tokens]``, mask ``[1]*p + [0]*pad + [1]*s``. Positions come
-        from the mask, so they continue from p; the padding is masked out of attention."""
-        p = 0 if entry is None else entry.length
-        lens = [len(r.prompt_ids) - p for r in reqs]
+        Each row runs its prompt's tokens after its prefix, left-padded among the group: columns
+        ``[padding][prefix p_i][padding][own tokens]`` with C = max p_i prefix columns, mask
+        ``[0]*(C - p_i) + [1]*p_i + [0]*pad + [1]*s_i``. Positions come from the mask, so they
+        continue from p_i; the padding is masked out of attention."""
+        ps = [0 if e is None else e.length for e in entries]
+        C = max(ps)
+        lens = [len(r.prompt_ids) - p for r, p in zip(reqs, ps)]
         S = max(lens)
         ids = torch.zeros((len(reqs), S), dtype=torch.long)
-        mask = torch.zeros((len(reqs), p + S), dtype=torch.long)
-        mask[:, :p] = 1
-        for i, r in enumerate(reqs):
+        mask = torch.zeros((len(reqs), C + S), dtype=torch.long)
+        for i, (r, p) in enumerate(zip(reqs, ps)):
             ids[i, S - lens[i] :] = torch.as_tensor(list(r.prompt_ids[p:]), dtype=torch.long)
-            mask[i, p + S - lens[i] :] = 1
-        if entry is None:
+            mask[i, C - p : C] = 1
+            mask[i, C + S - lens[i] :] = 1
+        if C == 0:
             cache = SkipCache(self.adapter.num_layers, capacity=S)
         else:
-            cache = entry.skip_cache(len(reqs), capacity=p + S)
-            entry.hits += len(reqs)
+            cache = prefix_skip_cache(entries, capacity=C + S)
+            for e in entries:
+                if e is not None:
+                    e.hits += 1
         with base_prefill(self.adapter.model):  # a decode-only skip adapter is off in the prefill
             logits = skip_forward(
                 self.adapter, ids.to(self.device), mask.to(self.device), cache=cache, logits_last_only=True
             )[:, -1]
-        for i, slot in enumerate(slots):
-            self.cache.load_prefill(slot, cache, i, p + S - lens[i], p + S, prefix=p)
+        for i, (slot, p) in enumerate(zip(slots, ps)):
+            self.cache.load_prefill(slot, cache, i, C + S - lens[i], C + S, prefix=p, prefix_start=C - p)
         return logits
 
     def _reuse_recent_prefixes(self, joiners: list[Request]) -> None:

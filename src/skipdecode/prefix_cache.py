@@ -34,7 +34,7 @@ import torch
 
 from .cache import SkipCache
 
-__all__ = ["PrefixEntry", "PrefixCache", "DEFAULT_PREFIX_TOKENS", "prefix_cache_budget"]
+__all__ = ["PrefixEntry", "PrefixCache", "DEFAULT_PREFIX_TOKENS", "prefix_cache_budget", "prefix_skip_cache"]
 
 #: Token budget of ``Engine(prefix_cache=True)`` (tokens of stored prefixes, all entries).
 DEFAULT_PREFIX_TOKENS = 4096
@@ -79,25 +79,36 @@ class PrefixEntry:
         """p, the prefix's length (tokens)."""
         return len(self.tokens)
 
-    def skip_cache(self, batch: int, capacity: int) -> SkipCache:
-        """A :class:`SkipCache` whose every layer holds this prefix for each of ``batch`` rows
-        (lengths p), with room for ``capacity`` >= p positions per row (tokens): the cache a group
-        of requests sharing the prefix runs its remaining prompt tokens on.
 
-        Raises:
-            ValueError: ``batch`` < 1 or ``capacity`` < p.
-        """
-        p = self.length
-        if batch < 1 or capacity < p:
-            raise ValueError(f"skip_cache needs batch >= 1 and capacity >= {p}, got {batch} and {capacity}")
-        cache = SkipCache(len(self.keys), capacity=capacity)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            k_buf = k.new_zeros((batch, k.shape[0], capacity, k.shape[-1]))
-            v_buf = v.new_zeros((batch, v.shape[0], capacity, v.shape[-1]))
-            k_buf[:, :, :p] = k
-            v_buf[:, :, :p] = v
-            cache.keys[i], cache.values[i], cache.lengths[i] = k_buf, v_buf, p
-        return cache
+def prefix_skip_cache(entries: Sequence[PrefixEntry | None], capacity: int) -> SkipCache:
+    """A :class:`SkipCache` for one prefill batch whose rows start from different stored prefixes:
+    row i holds ``entries[i]``'s K/V (p_i tokens; None: p_i = 0) right-aligned in the first
+    C = max p_i columns, columns ``C - p_i : C`` (the columns before are left padding, zeros),
+    in every layer; lengths C, buffers (B, H_kv, ``capacity``, D). Rows that share an entry
+    share its values (one read each). The prefill then runs each row's own tokens after column C
+    with a mask ``[0]*(C - p_i) + [1]*p_i + [0]*pad + [1]*s_i``: positions come from the mask,
+    so a row's own tokens continue from p_i whatever its neighbours hold.
+
+    Raises:
+        ValueError: no entry at all (nothing to hold: use a plain prefill), or ``capacity`` < C.
+    """
+    stored = [e for e in entries if e is not None]
+    if not stored:
+        raise ValueError("prefix_skip_cache needs at least one stored prefix among the entries")
+    C = max(e.length for e in stored)
+    if capacity < C:
+        raise ValueError(f"prefix_skip_cache needs capacity >= {C} (the longest prefix), got {capacity}")
+    cache = SkipCache(len(stored[0].keys), capacity=capacity)
+    for layer in range(len(stored[0].keys)):
+        k0, v0 = stored[0].keys[layer], stored[0].values[layer]
+        k_buf = k0.new_zeros((len(entries), k0.shape[0], capacity, k0.shape[-1]))
+        v_buf = v0.new_zeros((len(entries), v0.shape[0], capacity, v0.shape[-1]))
+        for i, e in enumerate(entries):
+            if e is not None:
+                k_buf[i, :, C - e.length : C] = e.keys[layer]
+                v_buf[i, :, C - e.length : C] = e.values[layer]
+        cache.keys[layer], cache.values[layer], cache.lengths[layer] = k_buf, v_buf, C
+    return cache
 
 
 def _shared_blocks(a: Sequence[int], b: Sequence[int], limit: int, block: int) -> int:
