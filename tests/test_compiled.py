@@ -27,16 +27,16 @@ def _run(sk, policy, new_tokens=8):
     return torch.stack([o.logits for o in outs]), torch.stack([o.tokens for o in outs])
 
 
-def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5, column_major=False):
+def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5, weight_left=False):
     """Compiled (``backend``) against eager, logits to ``atol`` and tokens equal; with
-    ``column_major`` the compiled model's weights are laid out as :func:`skipdecode.load` lays
-    them (skipdecode.layout) and the eager one keeps row-major weights."""
+    ``weight_left`` the compiled model's linears compute as :func:`skipdecode.load` makes them
+    (weight-first products, skipdecode.layout) and the eager one keeps plain ``nn.Linear``."""
     torch._dynamo.reset()
     build = lambda: quantize_model(make_model(family), quantize) if quantize else make_model(family)  # noqa: E731
     eager = SkipModel(build(), tokenizer)
     compiled = SkipModel(build(), tokenizer)
-    if column_major:
-        from skipdecode.layout import column_major as relayout
+    if weight_left:
+        from skipdecode.layout import weight_left as relayout
 
         assert relayout(compiled.model) > 0
     report = compile_adapter(compiled.adapter, backend=backend)
@@ -67,8 +67,8 @@ def test_compiled_inductor_equals_eager_llama(tokenizer):
     _check_equal("llama", tokenizer, "inductor")
 
 
-def test_compiled_inductor_on_column_major_weights_equals_row_major_eager(tokenizer):
-    _check_equal("llama", tokenizer, "inductor", column_major=True)
+def test_compiled_inductor_on_weight_first_products_equals_plain_eager(tokenizer):
+    _check_equal("llama", tokenizer, "inductor", weight_left=True)
 
 
 @pytest.mark.slow

@@ -1,27 +1,33 @@
-"""Weight memory layout for the CPU float32 decode step.
+"""Weight-first float32 products for the CPU decode step and prefill.
 
-A batch-1 decode step is a chain of matrix-vector products that stream every weight once. With
-the row-major ``(out_features, in_features)`` weights of ``nn.Linear``, ``F.linear(x, W)`` asks
-the BLAS for ``x @ W^T`` with a transposed operand; on this project's 2-core CPU (PyTorch 2.13,
-oneDNN/MKL) that product reads weights at about 17 GB/s, while the same product on the same values
-stored column-major (``W^T`` contiguous, so ``F.linear`` hands the BLAS a plain ``x @ B``) reads at
-about 21 GB/s: 30.9 ms against 24.9 ms for the 211 linears of SmolLM2-135M at batch 1, and the
-same time at batch 8 and 32 (measured with distinct weights per call, so nothing stays in cache;
-docs/quantization.md "Weight layout").
+Every decode step is a chain of products of a few input rows (the batch) with every weight. For
+``nn.Linear`` PyTorch computes ``x @ W^T``; on this project's 2-core AVX2 CPU (PyTorch 2.13,
+MKL) that GEMM is poor with few rows: the 211 linears of SmolLM2-135M (distinct weights per
+call, nothing left in cache) take 38, 51, 69 and 137 ms at 2, 4, 16 and 64 rows, in either weight
+layout. The same product taken weight-first, ``(W @ x^T)^T`` with the row-major weight as the
+left operand, takes 21, 22, 43 and 97 ms, and 198 against 232 ms at 132 rows (a prefill). At one
+row it pads to two (MKL's two-column GEMM streams the weights faster than its GEMV): 22 against
+25-26 ms. In the in-flight engine (16 clients, E2E prompts) decode steps are 1.26-1.30x faster and
+requests/s 16-20 % higher; a static batch of 8 decodes at 83 against 111-123 ms per step at full
+depth and 34 against 53-55 ms at 3x (docs/quantization.md "Weight layout").
 
-:func:`column_major` re-lays the weights in place: each ``weight`` stays an ``nn.Parameter`` of
-the same shape and values (``W.t().contiguous().t()``), so modules, tied embeddings, hooks and
-``state_dict`` keys are unchanged and ``F.linear`` picks the faster product by itself. Results equal
-the row-major ones up to float32 summation order (about 1e-6 relative). :func:`row_major` undoes
-it; training and saving call it, since optimisers, peft and safetensors expect contiguous weights.
+:func:`weight_left` turns every CPU float32 ``nn.Linear`` into a :class:`WeightLeftLinear` in
+place: same parameters (row-major, contiguous), ``state_dict`` keys, tying and hooks, so results
+equal ``F.linear``'s up to float32 summation order (about 1e-6 relative). :func:`row_major` undoes
+it (plain ``nn.Linear``, contiguous weights); training, saving and the quantizers call it.
+:func:`column_major` is the layout ``load()`` used before (a transposed weight view: faster than
+row-major ``F.linear`` at one row, no faster with more), kept for the layout benchmark's
+comparison.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["column_major", "row_major", "is_column_major"]
+__all__ = ["WeightLeftLinear", "weight_left", "is_weight_left", "column_major", "row_major", "contiguous_weights",
+           "is_column_major"]
 
 
 def _is_transposed_view(weight: torch.Tensor) -> bool:
@@ -30,13 +36,15 @@ def _is_transposed_view(weight: torch.Tensor) -> bool:
 
 
 def column_major(model: nn.Module) -> int:
-    """Store the weight of every float32 CPU ``nn.Linear`` of ``model`` column-major, in place.
+    """Store the weight of every float32 CPU ``nn.Linear`` of ``model`` column-major, in place
+    (``W.t().contiguous().t()``: same parameter, shape and values, strides ``(1, out_features)``),
+    so ``F.linear`` runs ``x @ B`` with a contiguous ``B``. :func:`load` used this before
+    :func:`weight_left`; it is kept for comparing the layouts.
 
     Args:
-        model: any module; its ``nn.Linear`` submodules (decoder-layer projections and the LM head;
-            a head tied to the input embedding shares the re-laid tensor, and embedding lookups
-            of B token rows stay correct on it) are changed. Quantized or non-CPU or non-float32
-            weights are left alone.
+        model: any module; its ``nn.Linear`` submodules (a head tied to the input embedding shares
+            the re-laid tensor, and embedding lookups stay correct on it) are changed. Quantized,
+            non-CPU or non-float32 weights are left alone.
 
     Returns:
         The number of distinct weight tensors re-laid (a tied head and embedding count once).
@@ -57,10 +65,27 @@ def column_major(model: nn.Module) -> int:
 
 
 def row_major(model: nn.Module) -> int:
-    """Undo :func:`column_major`: make every column-major 2-D parameter of ``model`` contiguous.
+    """Undo :func:`weight_left` and :func:`column_major`: every :class:`WeightLeftLinear` of
+    ``model`` becomes a plain ``nn.Linear`` again and every column-major 2-D parameter contiguous.
 
     Returns:
-        The number of parameters changed (0 when the model was never re-laid).
+        The number of modules and parameters changed (0 when the model was never re-laid).
+    """
+    changed = 0
+    for module in model.modules():
+        if type(module) is WeightLeftLinear:
+            module.__class__ = nn.Linear
+            changed += 1
+    return changed + contiguous_weights(model)
+
+
+def contiguous_weights(model: nn.Module) -> int:
+    """Make every column-major 2-D parameter of ``model`` (:func:`column_major`) contiguous, in
+    place, leaving the modules' classes alone (a :class:`WeightLeftLinear` stays one); what
+    safetensors needs to save the weights.
+
+    Returns:
+        The number of parameters changed.
     """
     changed = 0
     for param in model.parameters():
@@ -74,3 +99,64 @@ def row_major(model: nn.Module) -> int:
 def is_column_major(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is stored column-major (see :func:`column_major`)."""
     return any(_is_transposed_view(p) for p in model.parameters())
+
+
+def is_weight_left(model: nn.Module) -> bool:
+    """Whether any linear layer of ``model`` is a :class:`WeightLeftLinear` (see :func:`weight_left`)."""
+    return any(type(m) is WeightLeftLinear for m in model.modules())
+
+
+class WeightLeftLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, ``state_dict`` keys and hooks) whose CPU float32 product
+    is computed weight-first: ``y = (W @ x^T)^T`` with the row-major weight ``W``
+    (out_features, in_features) as the left operand of one BLAS GEMM, instead of ``F.linear``'s
+    ``x @ W^T``. Same values up to float32 summation order.
+
+    Why: on this project's 2-core AVX2 CPU (PyTorch 2.13, MKL) ``x @ W^T`` with a few input rows
+    is a poor GEMM (measured in the module docstring). A single input row is padded to two:
+    MKL's two-column GEMM streams the weight faster than its GEMV.
+
+    Input ``x`` (..., in_features) -> output (..., out_features), a view of the GEMM's
+    (out_features, M) result (M = rows of ``x``; non-contiguous for M > 1, as a transposed
+    product is). Other dtypes, devices or a non-contiguous weight fall back to ``F.linear``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != w.dtype or not w.is_contiguous():
+            return F.linear(x, w, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        one = x2.shape[0] == 1
+        if one:
+            x2 = torch.cat([x2, x2])  # a real copy: a stride-0 expand would make MKL copy per call, slower
+        y = torch.mm(w, x2.t()).t()
+        if one:
+            y = y[:1]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def weight_left(model: nn.Module) -> int:
+    """Make every CPU float32 ``nn.Linear`` of ``model`` (exactly that class: quantized and LoRA
+    layers are left alone) a :class:`WeightLeftLinear`, in place, with its weight row-major
+    (contiguous; a column-major one from :func:`column_major` is re-laid). Parameters, tying
+    (a head tied to the input embedding keeps sharing it) and ``state_dict`` keys are unchanged;
+    :func:`row_major` undoes it.
+
+    Returns:
+        The number of modules changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear:
+            continue
+        weight = module.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            continue
+        if not weight.is_contiguous():
+            with torch.no_grad():
+                weight.data = weight.data.contiguous()
+        module.__class__ = WeightLeftLinear
+        changed += 1
+    return changed

@@ -288,14 +288,15 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
     """Apply ``quantize`` and ``compile`` of :func:`load` to a loaded model; the LoRA adapters in
     ``unmerged`` then wrap the quantized layers (:func:`skipdecode.lowrank.attach_lora`), and the
     decode-only adapters in ``decode_only`` ((folder, merged) pairs) get their prefill switch.
-    Float32 weights on the CPU are stored column-major (:func:`skipdecode.layout.column_major`: a
-    faster batch-1 decode step, same values)."""
+    Float32 linear layers on the CPU compute their products weight-first
+    (:func:`skipdecode.layout.weight_left`: faster decode steps at every batch size, and faster
+    prefills; same values up to float32 rounding)."""
     from .lowrank import LoraFormatError, attach_lora
 
     if quantize is None:
-        from .layout import column_major
+        from .layout import weight_left
 
-        column_major(sk.model)
+        weight_left(sk.model)
     try:
         if quantize is not None:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)

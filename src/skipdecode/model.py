@@ -322,9 +322,9 @@ class SkipModel:
                 "cannot save a model that runs a decode-only skip adapter (its prefill uses the base weights, "
                 "which one checkpoint cannot hold): save load(..., adapter=False) and keep the adapter folder"
             )
-        from .layout import row_major
+        from .layout import contiguous_weights
 
-        row_major(self.model)  # safetensors stores contiguous tensors (load() re-lays them)
+        contiguous_weights(self.model)  # safetensors stores contiguous tensors
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))

@@ -160,7 +160,7 @@ class _Run:
 
         c = self.config
         hf_model = self.sk.model
-        row_major(hf_model)  # load() stores CPU float32 weights column-major; peft and AdamW expect contiguous
+        row_major(hf_model)  # plain nn.Linear layers and contiguous weights, as peft and AdamW expect (load() makes them weight-first)
         hf_model.to(self.accelerator.device)
         if c.entry_bridge:
             self._attach_bridge(hf_model)
