@@ -68,7 +68,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="in-flight server: waiting requests join in cohorts of at least this many rows")
     p.add_argument("--align-steps", type=int, default=0,
                    help="in-flight server: `serve --align-steps` (hold waiting requests, at most this many "
-                        "steps, while every running row is older; 0: off)")
+                        "steps, while every running row is older; 0: off, whereas `serve` defaults to 8)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="serve with `--no-prefix-cache` (default: the servers reuse shared prompt prefixes; "
                         "each row records the prompt tokens reused and computed, from /health)")
@@ -142,8 +142,7 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
     else:
         if args.cohort_size != 1:
             cmd += ["--cohort-size", str(args.cohort_size)]
-        if args.align_steps:
-            cmd += ["--align-steps", str(args.align_steps)]
+        cmd += ["--align-steps", str(args.align_steps)]  # always: the server's own default is 8
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_model
-from skipdecode import get_adapter
-from skipdecode.admission import check_align_steps, may_join
+from conftest import make_model, make_tokenizer
+from test_cli_outputs import saved  # noqa: F401  (a tiny llama checkpoint, a fixture)
+from test_cli_outputs import _run as cli
+from skipdecode import SkipModel, get_adapter
+from skipdecode.admission import SERVE_ALIGN_STEPS, check_align_steps, may_join
 from skipdecode.engine import Engine, Request
 from test_inflight import L, POLICIES, prompt, solo
 
@@ -76,3 +78,28 @@ def test_serve_refuses_bad_align_steps():
     assert bad.exit_code == 2 and "--align-steps must be >= 0, got -1" in bad.output
     serial = runner.invoke(app, ["serve", "--align-steps", "2", "--serial"])
     assert serial.exit_code == 2 and "--align-steps applies to in-flight batching" in serial.output
+
+
+def test_serve_aligns_by_default_and_not_when_serial(saved, monkeypatch):  # noqa: F811
+    """`serve` passes align_steps 8 unless told otherwise (0 with --serial, or as given);
+    create_app's own default is the same and a serial app's engine never holds."""
+    import skipdecode.server as server_module
+    from test_server_loopback import free_port
+
+    seen = []
+    real = server_module.create_app
+
+    def spy(*a, **kw):
+        seen.append(kw["align_steps"])
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(server_module, "create_app", spy)
+    for extra in ([], ["--serial"], ["--align-steps", "0"], ["--align-steps", "3"]):
+        cli(["serve", "--model", str(saved), "--port", str(free_port()), *extra])
+    assert seen == [SERVE_ALIGN_STEPS, 0, 0, 3] and SERVE_ALIGN_STEPS == 8
+    sk = SkipModel(make_model("llama", L), make_tokenizer())
+    for kw, want in (({}, SERVE_ALIGN_STEPS), ({"serial": True}, 0)):
+        scheduler = real(sk, **kw).state.scheduler
+        try:
+            assert scheduler.engine.align_steps == want
+        finally:
+            scheduler.close()

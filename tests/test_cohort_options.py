@@ -177,7 +177,8 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
 
 
 def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, capsys):
-    """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser."""
+    """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser;
+    --align-steps always reaches an in-flight server (0 included), never a serial one."""
     from test_recipe_study import load_script
 
     server_load = load_script("server_load")
@@ -200,6 +201,14 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     with pytest.raises(SystemExit, match="status 3"):
         server_load.start_server(server_load._parse([]), serial=False)
     assert "--threads" not in seen["cmd"]
+    # the in-flight server always gets --align-steps: 0 must reach it (serve's own default is 8)
+    assert seen["cmd"][seen["cmd"].index("--align-steps") + 1] == "0"
+    with pytest.raises(SystemExit, match="status 3"):
+        server_load.start_server(server_load._parse(["--align-steps", "8", "--modes", "inflight"]), serial=False)
+    assert seen["cmd"][seen["cmd"].index("--align-steps") + 1] == "8"
+    with pytest.raises(SystemExit, match="status 3"):
+        server_load.start_server(server_load._parse([]), serial=True)
+    assert "--serial" in seen["cmd"] and "--align-steps" not in seen["cmd"]
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--threads", "0"])
     assert exc.value.code == 2 and "--threads must be >= 1, got 0" in capsys.readouterr().err

@@ -456,7 +456,7 @@ def serve(
     max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
     serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
-    align_steps: int = typer.Option(0, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (0: off; docs/serving.md)."),
+    align_steps: Optional[int] = typer.Option(None, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (default 8 in flight, 0 with --serial; 0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
@@ -474,10 +474,14 @@ def serve(
         fail("--cohort-size applies to in-flight batching; drop it or --serial")
     if max_waiting < 0:
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
-    if align_steps < 0:
+    if align_steps is not None and align_steps < 0:
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if align_steps and serial:
         fail("--align-steps applies to in-flight batching; drop it or --serial")
+    if align_steps is None:
+        from .admission import SERVE_ALIGN_STEPS
+
+        align_steps = 0 if serial else SERVE_ALIGN_STEPS
     check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)

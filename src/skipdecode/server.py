@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .admission import SERVE_ALIGN_STEPS
 from .execution import Executor, Submission
 from .jsonio import dumps, json_safe
 from .model import SkipModel
@@ -116,7 +117,7 @@ def create_app(
     max_request_bytes: int = 1_000_000,
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
-    align_steps: int = 0,
+    align_steps: int = SERVE_ALIGN_STEPS,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
@@ -124,7 +125,8 @@ def create_app(
     (``max_batch_size`` rows decode at once, ``max_waiting`` rows may wait for a slot; a full
     queue answers 429; waiting requests join in cohorts of at least ``cohort_size`` rows, see
     :class:`~skipdecode.engine.Engine`; ``align_steps`` > 0 holds them, at most that many steps,
-    while every running row is older, :mod:`skipdecode.admission`). ``serial`` serves one row at a time (the one-at-a-time design, kept for
+    while every running row is older, :mod:`skipdecode.admission`; default
+    :data:`~skipdecode.admission.SERVE_ALIGN_STEPS`, 0 when ``serial``). ``serial`` serves one row at a time (the one-at-a-time design, kept for
     comparison). A body over ``max_request_bytes`` (bytes, by its Content-Length) answers 413
     before it is read. ``prefix_cache`` is the engine's automatic prefix caching (True: the
     default token budget, an integer: that budget, False/0: off; :class:`~skipdecode.engine.Engine`):
