@@ -33,7 +33,7 @@ def tiny_dir(tmp_path_factory, tokenizer):
 
 def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
     out = tmp_path / "k.json"
-    kernels = ["float32", "bfloat16", "int8pack", "int4pack"]
+    kernels = ["float32", "float32cm", "float32left", "bfloat16", "int8pack", "int4pack"]
     result = _script().main(["--model", str(tiny_dir), "--kernels", ",".join(kernels), "--repeats", "2",
                              "--warmup", "0", "--threads", "1", "--batch-sizes", "1,2", "--bandwidth-mb", "8",
                              "--step-ms", "5", "--step-ms-threads", "1", "--output", str(out)])
@@ -44,13 +44,13 @@ def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
     assert shapes == {(32, 32, 2, False), (16, 32, 2, False), (64, 32, 2, False), (32, 64, 1, False),
                       (320, 32, 0, True)}
     assert result["num_layers"] == 6 and result["linears_per_layer"] == 7
-    with_int4 = kernels if int4pack.kernel_available()[0] else kernels[:3]
+    with_int4 = kernels if int4pack.kernel_available()[0] else kernels[:5]
     assert len(result["rows"]) == 5 * 2 * len(with_int4)
     for r in result["rows"]:
         assert r["kernel"] in with_int4 and r["threads"] == 1 and r["ms"] > 0
         assert r["gbs"] == pytest.approx(r["weight_bytes"] / (r["ms"] * 1e-3) / 1e9)
     bytes_of = {(r["out_features"], r["in_features"], r["kernel"]): r["weight_bytes"] for r in result["rows"]}
-    assert bytes_of[(320, 32, "float32")] == 320 * 32 * 4
+    assert bytes_of[(320, 32, "float32")] == bytes_of[(320, 32, "float32cm")] == bytes_of[(320, 32, "float32left")] == 320 * 32 * 4
     assert bytes_of[(320, 32, "bfloat16")] == 320 * 32 * 2
     assert bytes_of[(320, 32, "int8pack")] == 320 * 32 + 320 * 4
     if "int4pack" in with_int4:  # codes + a bfloat16 (step, zero) per group of 32
@@ -70,7 +70,7 @@ def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--kernels", "float32,int3"], "--kernels items must be float32, bfloat16, int8pack, int8fused, int4pack, int4fused, got 'int3'"),
+    (["--kernels", "float32,int3"], "--kernels items must be float32, float32cm, float32left, bfloat16, int8pack, int8fused, int4pack, int4fused, got 'int3'"),
     (["--batch-sizes", "0"], "--batch-sizes must be comma-separated integers >= 1, got '0'"),
     (["--repeats", "0"], "--repeats must be >= 1"),
 ])

@@ -5,7 +5,11 @@ Used by ``benchmarks/kernel_speed.py``. For each distinct linear shape of one de
 batch size (rows M) and thread count, it times one product ``x (M, K) -> (M, N)`` with each
 kernel:
 
-- ``float32``: ``F.linear`` with the float32 weight (4 bytes per weight);
+- ``float32``: ``F.linear`` with the float32 weight (4 bytes per weight), row-major;
+- ``float32cm``: ``F.linear`` with the weight stored column-major (:func:`skipdecode.layout.column_major`,
+  ``load()``'s layout before its weight-first products);
+- ``float32left``: the weight-first product of :class:`skipdecode.layout.WeightLeftLinear`
+  (``(W @ x^T)^T``, row-major weight, one row padded to two; what ``load()`` runs now);
 - ``bfloat16``: ``F.linear`` of bfloat16 input and weight (2 bytes per weight; oneDNN, AMX tiles
   on CPUs that have them; includes casting the input);
 - ``int8pack``: ``aten._weight_int8pack_mm`` (1 byte per weight + a float32 scale per row);
@@ -33,12 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import int4pack
+from ..layout import WeightLeftLinear
 from ..quantize import INT4_GROUP_SIZE, Int4Linear, Int8Linear, _fused_int4, _fused_int8, _is_linear, _linear_weight
 
 __all__ = ["KERNELS", "model_shapes", "time_call", "kernel_rows", "overhead_ms", "step_sums"]
 
 #: Kernel names in table order.
-KERNELS = ("float32", "bfloat16", "int8pack", "int8fused", "int4pack", "int4fused")
+KERNELS = ("float32", "float32cm", "float32left", "bfloat16", "int8pack", "int8fused", "int4pack", "int4fused")
 
 
 def model_shapes(layers: nn.ModuleList, head: nn.Module) -> list[dict[str, Any]]:
@@ -108,6 +113,13 @@ def _kernel_calls(weight: torch.Tensor, kernels: Sequence[str]) -> dict[str, tup
     calls: dict[str, tuple[int, Callable[[torch.Tensor], Any]]] = {}
     if "float32" in kernels:
         calls["float32"] = (N * K * 4, lambda x: F.linear(x, weight))
+    if "float32cm" in kernels:
+        wcm = weight.t().contiguous().t()
+        calls["float32cm"] = (N * K * 4, lambda x: F.linear(x, wcm))
+    if "float32left" in kernels:
+        left = WeightLeftLinear(K, N, bias=False)
+        left.weight.data = weight.contiguous()
+        calls["float32left"] = (N * K * 4, left)
     if "bfloat16" in kernels:  # oneDNN's bfloat16 GEMM (AMX where the CPU has it); x cast per call
         w16 = weight.to(torch.bfloat16)
         calls["bfloat16"] = (N * K * 2, lambda x: F.linear(x.to(torch.bfloat16), w16))
