@@ -120,7 +120,7 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
     # compiled kernels are switched on per quantized module: such a variant gets its own copy
     key = (quantize, quantize is not None and compile not in (False, "layers"), dtype)
     if key not in cache:
-        if dtype is not None:  # Tensor.to keeps each weight's strides (load()'s column-major layout)
+        if dtype is not None:  # a copy of load()'s layers; off float32 the weight-first ones run F.linear
             cache[key] = copy.deepcopy(sk.model).to(dtype)
         else:
             cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)

@@ -303,9 +303,9 @@ class SkipModel:
         ``weights_sha256``: the sha256 of each weight file, which :func:`skipdecode.load` checks).
 
         The directory is written under a temporary name and renamed into place, so a crash never
-        leaves a half-written checkpoint. Returns the directory path. Weights that
-        :func:`skipdecode.load` stored column-major (:mod:`skipdecode.layout`) are made contiguous
-        first, as safetensors requires; the model keeps working, with the row-major batch-1 speed.
+        leaves a half-written checkpoint. Returns the directory path. Column-major weights
+        (:func:`skipdecode.layout.column_major`) are made contiguous first, as safetensors
+        requires; the weight-first layers of :func:`skipdecode.load` stay as they are.
 
         Raises:
             ValueError: the weights are quantized (``load(quantize=...)``): save the float model
