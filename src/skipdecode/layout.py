@@ -7,9 +7,11 @@ call, nothing left in cache) take 38, 51, 69 and 137 ms at 2, 4, 16 and 64 rows,
 layout. The same product taken weight-first, ``(W @ x^T)^T`` with the row-major weight as the
 left operand, takes 21, 22, 43 and 97 ms, and 198 against 232 ms at 132 rows (a prefill). At one
 row it pads to two (MKL's two-column GEMM streams the weights faster than its GEMV): 22 against
-25-26 ms. In the in-flight engine (16 clients, E2E prompts) decode steps are 1.26-1.30x faster and
-requests/s 16-20 % higher; a static batch of 8 decodes at 83 against 111-123 ms per step at full
-depth and 34 against 53-55 ms at 3x (docs/quantization.md "Weight layout").
+25-26 ms alone, within noise in a compiled decode step and 3-10 % slower eagerly (more Python
+operations per call). In the decode-speed benchmark a static batch of 8 decodes at 88.8 against
+119.7 ms per step at full depth and 36.5 against 57.3 ms at 3x, batch 32 1.10-1.29x faster
+(benchmarks/results/decode_speed_weightleft.json against column-major weights, same host; the
+serving cells: docs/serving.md; docs/quantization.md "Weight layout").
 
 :func:`weight_left` turns every CPU float32 ``nn.Linear`` into a :class:`WeightLeftLinear` in
 place: same parameters (row-major, contiguous), ``state_dict`` keys, tying and hooks, so results
