@@ -1,0 +1,53 @@
+"""benchmarks/engine_load.py on a tiny Llama saved locally: the closed loop serves every timed
+request once, its statistics add up, the ratios follow from the rows, results and plot are
+written, bad arguments exit 2 (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cli_outputs import saved  # noqa: F401  (a tiny llama checkpoint, a fixture)
+from test_recipe_study import load_script
+
+PROMPTS = ["The Eagle is a", "Blue Spice serves", "The Mill is", "Aromi has", "Zizzi is a", "Cotto serves"]
+
+
+def test_engine_load_rows_ratios_and_outputs(saved, tmp_path, monkeypatch, capsys):  # noqa: F811
+    engine_load = load_script("engine_load")
+    monkeypatch.setattr(engine_load, "prompts", lambda: list(PROMPTS))
+    result = engine_load.main(["--model", str(saved), "--clients", "2", "--requests-per-client", "2",
+                               "--max-tokens", "3", "--speedups", "1,2", "--align-steps", "2",
+                               "--out", str(tmp_path), "--name", "t"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == json.loads((tmp_path / "t.json").read_text()) == json.loads(json.dumps(result))
+    assert (tmp_path / "t.png").stat().st_size > 0
+    full, two = result["rows"]
+    for row in (full, two):
+        assert row["requests"] == 8  # max(8, 2 clients x 2): each timed request finished once
+        generated = round(row["tokens_per_second"] * row["seconds"])
+        assert 8 <= generated <= 8 * 3
+        assert 0 < row["prefill_s"] and 0 < row["decode_s"] and row["prefill_s"] + row["decode_s"] <= row["seconds"]
+        assert 1 <= row["mean_rows_per_decode_step"] <= 2
+        assert row["computed_prompt_tokens"] > 0
+    assert full["theoretical_speedup"] == 1.0 and two["theoretical_speedup"] > 1.0
+    (ratio,) = result["ratios"]
+    assert ratio["requests_per_second_ratio"] == pytest.approx(two["requests_per_second"] / full["requests_per_second"])
+    total = full["prefill_s"] + full["decode_s"]
+    assert ratio["ceiling_at_theoretical_decode"] == pytest.approx(
+        total / (full["prefill_s"] + full["decode_s"] / two["theoretical_speedup"]))
+    assert result["align_steps"] == 2 and result["command"].startswith("python benchmarks/engine_load.py")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--clients", "0"], "--clients must be >= 1, got 0"),
+    (["--align-steps", "-1"], "--align-steps must be >= 0, got -1"),
+    (["--speedups", "2,3"], "--speedups must include 1"),
+    (["--speedups", "fast"], "--speedups takes comma-separated numbers"),
+])
+def test_engine_load_bad_arguments_exit_2(args, message, capsys):
+    engine_load = load_script("engine_load")
+    with pytest.raises(SystemExit) as exc:
+        engine_load._parse(args)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
