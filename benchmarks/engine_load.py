@@ -31,9 +31,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_load import cell_prompts, prompts  # noqa: E402  (the same prompts as the server's cells)
+from server_load import cell_prompts, prompts, report  # noqa: E402  (the same prompts as the server's cells)
 
-from skipdecode.jsonio import dumps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -201,14 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
-    path.write_text(dumps(result, indent=2) + "\n")
-    plot(result, path.with_suffix(".png"))
-    print(table(rows))
-    for r in result["ratios"]:
-        print(f"{r['speedup']:g}x / full: {r['requests_per_second_ratio']:.2f}x requests/s; decode "
-              f"{r['decode_speedup'] or float('nan'):.2f}x of theoretical {r['theoretical_speedup'] or float('nan'):.2f}x; "
-              f"ceiling {r['ceiling_at_theoretical_decode'] or float('nan'):.2f}x", file=sys.stderr)
-    print(dumps(result))
+    summary = [f"{r['speedup']:g}x / full: {r['requests_per_second_ratio']:.2f}x requests/s; decode "
+               f"{r['decode_speedup'] or float('nan'):.2f}x of theoretical {r['theoretical_speedup'] or float('nan'):.2f}x; "
+               f"ceiling {r['ceiling_at_theoretical_decode'] or float('nan'):.2f}x" for r in result["ratios"]]
+    report(result, path, plot, table(rows), summary, summary_file=sys.stderr)
     return result
 
 

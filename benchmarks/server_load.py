@@ -394,13 +394,22 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
+    summary = [f"{p['clients']} clients: 2x/full {p['requests_per_second_ratio']:.2f}x requests/s; decode steps "
+               f"{p['step_speedup'] or float('nan'):.2f}x of theoretical {p['theoretical_speedup'] or float('nan'):.2f}x; "
+               f"ceiling with theoretical steps {p['ceiling_at_theoretical_steps'] or float('nan'):.2f}x"
+               for p in result["pairs"]]
+    report(result, path, plot, table(rows), summary)
+
+
+def report(result: dict, path: Path, plot_fn, table_text: str, summary: list[str], summary_file=sys.stdout) -> None:
+    """Write ``result`` to ``path`` (indented JSON) and its PNG beside it (``plot_fn(result,
+    png_path)``), print the Markdown table, the summary lines (to ``summary_file``) and last the
+    result as one JSON line (shared with benchmarks/engine_load.py)."""
     path.write_text(dumps(result, indent=2) + "\n")
-    plot(result, path.with_suffix(".png"))
-    print(table(rows))
-    for p in result["pairs"]:
-        print(f"{p['clients']} clients: 2x/full {p['requests_per_second_ratio']:.2f}x requests/s; decode steps "
-              f"{p['step_speedup'] or float('nan'):.2f}x of theoretical {p['theoretical_speedup'] or float('nan'):.2f}x; "
-              f"ceiling with theoretical steps {p['ceiling_at_theoretical_steps'] or float('nan'):.2f}x")
+    plot_fn(result, path.with_suffix(".png"))
+    print(table_text)
+    for line in summary:
+        print(line, file=summary_file)
     print(dumps(result))
 
 
