@@ -61,8 +61,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--speedups takes comma-separated numbers, got {args.speedups!r}")
     for option, value, low in (("--clients", args.clients, 1), ("--requests-per-client", args.requests_per_client, 1),
                                ("--max-tokens", args.max_tokens, 1), ("--max-batch-size", args.max_batch_size, 1),
-                               ("--align-steps", args.align_steps, 0), ("--threads", args.threads or 1, 1)):
-        if value < low:
+                               ("--align-steps", args.align_steps, 0), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
             p.error(f"{option} must be >= {low}, got {value}")
     if 1.0 not in args.speedups:
         p.error("--speedups must include 1 (full depth: the ratios are to it)")

@@ -43,6 +43,7 @@ def test_engine_load_rows_ratios_and_outputs(saved, tmp_path, monkeypatch, capsy
 @pytest.mark.parametrize("args, message", [
     (["--clients", "0"], "--clients must be >= 1, got 0"),
     (["--align-steps", "-1"], "--align-steps must be >= 0, got -1"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--speedups", "2,3"], "--speedups must include 1"),
     (["--speedups", "fast"], "--speedups takes comma-separated numbers"),
 ])
