@@ -182,7 +182,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
 
         quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
         if not quantized:
-            raise ValueError("compile mode 'kernels' needs quantized weights (quantize='int8' or 'int4')")
+            raise ValueError("compile mode 'kernels' needs weight-only quantized weights (quantize='int8' or 'int4')")
     if check and (backend == "inductor" or mode == "kernels"):
         ok, why = compile_available()
         if not ok:
@@ -197,6 +197,11 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
     limit = 2 * adapter.num_layers + 8
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
     index_of = _layer_indices(adapter)
+    # made once: entering a ready patch costs about 15 us a layer call, building one 34 us
+    # (measured on the AVX2 test CPU; 31 layer calls a full-depth step)
+    limits = torch._dynamo.config.patch(
+        recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
+    )
 
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
@@ -211,9 +216,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         # only an eager write can change the lengths before a failure (the traced one commits after)
         lengths = cache.snapshot_lengths() if cache is not None and write is None else None
         try:
-            with torch._dynamo.config.patch(
-                recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
-            ):
+            with limits:
                 if write is None:
                     wrapped = None if cache is None else _EagerCacheWrite(cache)
                     return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
