@@ -152,8 +152,11 @@ def test_compile_mode_checks(tokenizer):
     assert resolve_mode(SkipModel(quantize_model(make_model("llama"), "int4"), tokenizer).adapter, "auto") == "layers"
     with pytest.raises(ValueError, match="compile must be True, False or one of auto, kernels, layers"):
         resolve_mode(sk.adapter, "fast")
-    with pytest.raises(ValueError, match="needs quantized weights"):
+    assert resolve_mode(SkipModel(quantize_model(make_model("llama"), "w8a8"), tokenizer).adapter, "auto") == "layers"
+    with pytest.raises(ValueError, match="needs weight-only quantized weights"):
         compile_adapter(sk.adapter, mode="kernels")
+    with pytest.raises(ValueError, match="needs weight-only quantized weights"):
+        compile_adapter(SkipModel(quantize_model(make_model("llama"), "w8a8"), tokenizer).adapter, mode="kernels")
     from skipdecode.loading import LoadError, load
 
     with pytest.raises(LoadError, match="compile='kernels' needs quantize"):

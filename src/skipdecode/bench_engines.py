@@ -48,7 +48,7 @@ __all__ = [
 def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
     """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
 
-    Each item is a weight format (float32, int8, int4) with an optional ``+compile`` (compile
+    Each item is a weight format (float32, int8, int4, w8a8) with an optional ``+compile`` (compile
     mode "auto": the fused int8 products, or the layer calls of a float32 or int4 model) or
     ``+compile-layers`` (mode "layers": every decoder-layer call); or ``bfloat16`` (the model's
     float weights cast to bfloat16, eager; :func:`variant_dtype`), fast on CPUs with AMX.
@@ -64,7 +64,7 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
         if item != "bfloat16" and (base not in ("float32", *QUANTIZE_MODES)
                                    or suffix not in ("", "compile", "compile-layers")):
             raise ValueError(
-                f"--variants items must be float32, int8 or int4, each optionally +compile or "
+                f"--variants items must be float32, int8, int4 or w8a8, each optionally +compile or "
                 f"+compile-layers, or bfloat16; got {item!r}"
             )
         mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
@@ -135,7 +135,12 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
-    return resident_bytes(module)["total"]
+    """Bytes a decode step reads from ``module``: its resident bytes, less the int8 codes that
+    W8A8 layers keep for prefills only (a decode step reads FBGEMM's packed copy)."""
+    from .w8a8 import W8A8Linear
+
+    unread = sum(m.weight_int8.numel() for m in module.modules() if isinstance(m, W8A8Linear))
+    return resident_bytes(module)["total"] - unread
 
 
 def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) -> float:
@@ -258,7 +263,7 @@ def issue_targets(rows: list[dict[str, Any]], llamacpp: dict[str, Any] | None,
 
     - float32 full depth, batch 1, within 1.3x of its floor;
     - the 3x policy at batch 1 with the lowest-bit variant no slower per token than llama.cpp at
-      full depth (int8 alone: within 1.5x of it);
+      full depth (int8 alone: within 1.5x of it, for weight-only int8 and for w8a8 each);
     - wall-clock over theoretical speedup at 3x, batch 1, >= 0.85 with a quantized head;
     - at batch 8, tokens/s of the 3x policy (best variant) above llama.cpp's batched decoding of
       8 sequences (``llamacpp_batched``, :func:`llamacpp_batched_row` at batch 8).
@@ -272,7 +277,7 @@ def issue_targets(rows: list[dict[str, Any]], llamacpp: dict[str, Any] | None,
     out["float32_full_b1_over_floor"] = min((r["over_floor"] for r in f), default=None)
     out["float32_full_b1_within_1.3x_floor"] = None if not f else out["float32_full_b1_over_floor"] <= 1.3
     lc = llamacpp["step_ms"] if llamacpp else None
-    for q, limit in (("int4", 1.0), ("int8", 1.5)):
+    for q, limit in (("int4", 1.0), ("int8", 1.5), ("w8a8", 1.5)):
         r3 = find(q, "3x", 1)
         best = min((r["step_ms"] for r in r3), default=None)
         out[f"{q}_3x_b1_step_ms"] = best

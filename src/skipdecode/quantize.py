@@ -60,7 +60,7 @@ __all__ = [
     "kernel_error",
 ]
 
-QUANTIZE_MODES = ("int8", "int4")
+QUANTIZE_MODES = ("int8", "int4", "w8a8")
 #: The LM head's scheme under each mode. A plain 4-bit head of the tied 49152x576 embedding moved
 #: SmolLM2's next-token distribution 26x further (KL per token 0.055 against 0.0021 for int4
 #: decoder layers; top-1 agreement 0.85 against 0.95) and turned the E2E fine-tune's greedy
@@ -68,7 +68,7 @@ QUANTIZE_MODES = ("int8", "int4")
 #: in its 4-bit files, GPTQ/AWQ leave it in float). So int4 uses ``"int4-rescored"``
 #: (:class:`~skipdecode.rescored_head.RescoredHead`): a 4-bit preview of every logit, whose top
 #: candidates get the int8 head's exact logits; a decode step reads the 4-bit copy only.
-HEAD_MODE = {"int8": "int8", "int4": "int4-rescored"}
+HEAD_MODE = {"int8": "int8", "int4": "int4-rescored", "w8a8": "w8a8"}
 #: Input channels sharing one int4 scale and minimum.
 INT4_GROUP_SIZE = 32
 #: Eager int8: rows (batch x tokens) up to which ``_weight_int8pack_mm`` beats dequantize + GEMM.
@@ -84,7 +84,7 @@ class QuantizeError(ValueError):
 
 
 def check_quantize(quantize: Any) -> str | None:
-    """Validate a ``quantize`` option: None (float weights), ``"int8"`` or ``"int4"``.
+    """Validate a ``quantize`` option: None (float weights), ``"int8"``, ``"int4"`` or ``"w8a8"``.
 
     Raises:
         QuantizeError: any other value (the message names ``quantize`` and the allowed values).
@@ -336,6 +336,10 @@ def _make(module: nn.Module, mode: str) -> nn.Module:
         return RescoredHead(weight, bias).to(weight.device)
     if mode == "int8":
         return Int8Linear(weight, bias).to(weight.device)
+    if mode == "w8a8":
+        from .w8a8 import W8A8Linear
+
+        return W8A8Linear(weight, bias)
     return Int4Linear(weight, bias).to(weight.device)
 
 
@@ -346,7 +350,8 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
 
     Args:
         model: a Hugging Face ``*ForCausalLM`` with ``get_output_embeddings()``.
-        mode: ``"int8"``, ``"int4"`` or None (returns ``model`` unchanged).
+        mode: ``"int8"``, ``"int4"``, ``"w8a8"`` (int8 weights and per-token int8 activations on
+            FBGEMM, CPU only: :mod:`skipdecode.w8a8`) or None (returns ``model`` unchanged).
         layers: the decoder layers (default: from the model's adapter).
 
     Returns:
@@ -354,7 +359,7 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
 
     Raises:
         QuantizeError: bad ``mode``; the model is already quantized; no linear LM head; int4
-            with an odd input width.
+            with an odd input width; w8a8 off the CPU or without FBGEMM.
     """
     mode = check_quantize(mode)
     if mode is None:
@@ -382,7 +387,7 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
 
 
 def quantized_mode(model: nn.Module) -> str | None:
-    """``"int8"``/``"int4"`` when :func:`quantize_model` quantized ``model``, else None."""
+    """``"int8"``/``"int4"``/``"w8a8"`` when :func:`quantize_model` quantized ``model``, else None."""
     return getattr(model, "_skipdecode_quantize", None)
 
 
@@ -391,15 +396,20 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
     those of the entry bridge attached to it (:mod:`skipdecode.entry_bridge`, kept outside the
     module tree; float).
 
-    Returns ``{"total", "quantized" (int8/int4 weights and their scales), "float"}`` in bytes.
+    Returns ``{"total", "quantized" (int8/int4 weights and their scales, w8a8's packed FBGEMM
+    weights), "float"}`` in bytes.
     """
     from .entry_bridge import entry_bridge_of
+    from .w8a8 import W8A8Linear
 
     seen: set[int] = set()
     quant = total = 0
     bridge = entry_bridge_of(model)
     for module in [*model.modules(), *(bridge.modules() if bridge is not None else ())]:
-        is_q = isinstance(module, _QuantLinear)
+        is_q = isinstance(module, (_QuantLinear, W8A8Linear))
+        if isinstance(module, W8A8Linear):  # its int8 codes live in FBGEMM's packed weight
+            total += module.packed_nbytes()
+            quant += module.packed_nbytes()
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             key = t.untyped_storage().data_ptr()
             if key in seen:

@@ -1,0 +1,231 @@
+"""W8A8: int8 weights and int8 activations quantized per token at run time (``quantize="w8a8"``).
+
+Scheme (SmoothQuant's W8A8 without smoothing; the dynamic quantization of PyTorch's
+``torch.ao.nn.quantized.dynamic.Linear``, per output channel):
+
+- weights: symmetric int8, one scale per output channel, ``s_n = max_k |W[n, k]| / 127``, the
+  codes of :class:`skipdecode.quantize.Int8Linear`;
+- activations, on a decode step (one position per row): each row is quantized on its own to
+  unsigned 7-bit codes with its own scale and zero point (its min and max, computed at run time),
+  multiplied with the int8 weights in int32 and rescaled to float32 by FBGEMM
+  (``torch.ops.quantized.linear_dynamic`` with ``reduce_range=True``, PyTorch's x86 kernel; 7 bits
+  keep its 8-bit multiply-adds from saturating). One call per row: a row's output never depends
+  on its batch neighbours (solo and batched rows are equal, as with float weights);
+- several positions per row (a prefill, teacher forcing): the float product with the dequantized
+  weight ``q * s_n`` (weight-only int8, as :class:`~skipdecode.quantize.Int8Linear` computes it).
+
+Why: on CPUs without AVX-512 PyTorch's weight-only int8 kernel (``_weight_int8pack_mm``) and
+inductor's fused dequantizing loops are slower than a float32 GEMV, while FBGEMM's integer
+kernels read int8 weights near memory speed (the 49152x576 LM head at one row on the 2-core AVX2
+test CPU: 1.3 ms against 13.3 ms weight-only int8 and 4.6 ms float32; docs/quantization.md).
+Activation rounding costs accuracy: about 1.6 % relative error per product on Gaussian inputs
+against 0.75 % for weight-only int8 (measured; the quality table is in docs/quantization.md).
+
+The product is the custom op ``skipdecode::w8a8_linear`` so that compiled layer graphs
+(``load(..., compile=True)``) keep it as one opaque call without a graph break (FBGEMM's packed
+weights are a TorchScript object dynamo cannot pass; the op finds them by a per-layer key held
+in a 0-dimensional buffer, so every layer shares one graph). CPU only: FBGEMM has no GPU kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["W8A8Linear", "check_usable", "fbgemm_available", "w8a8_linear"]
+
+#: key -> layer, for the custom op to find the packed weights (weak: a freed layer leaves)
+_LAYERS: "weakref.WeakValueDictionary[int, W8A8Linear]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+@functools.lru_cache(maxsize=1)
+def fbgemm_available() -> tuple[bool, str]:
+    """Whether FBGEMM's quantized CPU kernels work in this PyTorch build: ``(ok, reason when
+    not)``, from a self-test (pack a 16 x 16 weight, multiply one row) run once per process."""
+    engines = torch.backends.quantized.supported_engines
+    if "fbgemm" not in engines:
+        return False, f"this PyTorch build has no FBGEMM quantized engine (engines: {', '.join(engines)})"
+    try:
+        packed = _pack(torch.ones((16, 16), dtype=torch.int8), torch.ones(16), None)
+        y = torch.ops.quantized.linear_dynamic(torch.ones((1, 16)), packed, True)
+        if not torch.allclose(y, torch.full((1, 16), 16.0), rtol=1e-2):
+            return False, "FBGEMM's dynamic linear failed its self-test"
+    except Exception as exc:  # a removed or broken API (PyTorch deprecates quantized dtypes)
+        return False, f"{type(exc).__name__}: " + " ".join(str(exc).split())[:200]
+    return True, ""
+
+
+def check_usable(device: torch.device) -> None:
+    """Raise :class:`~skipdecode.quantize.QuantizeError` (naming ``quantize='w8a8'``) unless
+    W8A8 layers can live on ``device``: the CPU, with FBGEMM in this PyTorch build."""
+    from .quantize import QuantizeError
+
+    ok, why = fbgemm_available()
+    if not ok:
+        raise QuantizeError(f"quantize='w8a8' needs FBGEMM: {why}")
+    if torch.device(device).type != "cpu":
+        raise QuantizeError(f"quantize='w8a8' runs on CPUs only (FBGEMM), got a weight on {torch.device(device).type}")
+
+
+def _pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """FBGEMM's packed weight for int8 ``codes`` (N, K) with per-row float ``scale`` (N,)."""
+    prior = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        with warnings.catch_warnings():  # the qint8 tensor only carries the codes into FBGEMM's pack
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            q = torch._make_per_channel_quantized_tensor(codes, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+    finally:
+        torch.backends.quantized.engine = prior
+
+
+def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weight_sums: torch.Tensor) -> torch.Tensor:
+    """(M, K) float32 -> (M, N) float32: each row quantized on its own, one FBGEMM call for all.
+
+    Row r gets the scale ``a_r = (max(x_r, 0) - min(x_r, 0)) / 127`` and zero point
+    ``z_r = round(-min(x_r, 0) / a_r)``, codes ``u_r = clamp(round(x_r / a_r) + z_r, 0, 127)`` (the
+    7-bit grid of FBGEMM's own dynamic quantization, ``reduce_range``). ``product`` (FBGEMM's
+    dynamic linear) gets the codes as floats with one guard row holding 0 and 127, so that the
+    tensor-wide parameters it picks are scale 1 and zero 0 and it reads the codes exactly; it
+    returns ``s_n sum_k u_rk q_nk``, and ``a_r (that - z_r weight_sums_n)`` with
+    ``weight_sums_n = s_n sum_k q_nk`` is row r's product. The accumulation is in integers, so
+    row r's result is the same whatever the other rows hold. Plain tensor code: inside a compiled
+    layer inductor fuses it around the one opaque ``product`` call.
+    """
+    lo = x.amin(dim=1, keepdim=True).clamp(max=0.0)
+    hi = x.amax(dim=1, keepdim=True).clamp(min=0.0)
+    a = (hi - lo) / 127.0
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    z = torch.round(-lo / a)
+    u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0)
+    guard = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
+    guard[0, 0] = 127.0
+    y = product(torch.cat([u, guard]))[:-1]
+    return a * (y - z * weight_sums)
+
+
+# A plain operator registration (torch.library.Library) rather than torch.library.custom_op: the
+# latter's Python wrapper costs about 45 us a call on the 2-core test CPU, the product itself
+# 25-45 us. Compiled graphs call it; eager layers call FBGEMM directly.
+_LIB = torch.library.Library("skipdecode", "FRAGMENT")
+_LIB.define("w8a8_linear(Tensor codes, Tensor key, Tensor scale) -> Tensor")
+
+
+def w8a8_linear(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FBGEMM's dynamic linear of ``codes`` (M, K) float32 through the packed weight of the
+    layer that ``key`` (0-dim int64) names: (M, N) float32; ``scale`` (N,) gives N. The CPU
+    kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows` makes the codes)."""
+    return torch.ops.quantized.linear_dynamic(codes, _LAYERS[int(key)].packed, True)
+
+
+_LIB.impl("w8a8_linear", w8a8_linear, "CPU")
+
+
+@torch.library.register_fake("skipdecode::w8a8_linear")
+def _w8a8_linear_fake(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.new_empty((codes.shape[0], scale.shape[0]))
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer with int8 weights and per-token int8 activations (module docstring).
+
+    Args:
+        weight: (N, K) float weight, as in ``nn.Linear`` (on the CPU).
+        bias: (N,) float bias or None.
+
+    Buffers: ``weight_int8`` (N, K) int8 codes in [-127, 127] (the several-positions path);
+    ``scale`` (N,) float32, ``max_k |W[n, k]| / 127`` (1 for an all-zero row); ``key`` (0-dim
+    int64, not saved). FBGEMM packs a second copy of the codes (``self.packed``, about N x K
+    bytes, counted by :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`):
+    unpacking it for a prefill costs more than the prefill's products. ``forward``: (..., T, K) float32 -> (..., T, N); T = 1 (a
+    decode step) runs the W8A8 product, T > 1 the dequantized weight.
+
+    Raises:
+        QuantizeError: a non-CPU weight, or a PyTorch build without FBGEMM (says why); ``forward``
+            on a non-CPU or non-float32 input.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        check_usable(weight.device)
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self._init(codes, scale, bias)
+
+    @classmethod
+    def from_int8(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "W8A8Linear":
+        """A layer on existing int8 ``codes`` (N, K) and per-row ``scale`` (N,), e.g. those of an
+        :class:`~skipdecode.quantize.Int8Linear`; ``weight_int8`` shares their storage."""
+        check_usable(codes.device)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = codes.shape
+        self._init(codes, scale.float(), bias)
+        return self
+
+    def _init(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.register_buffer("weight_int8", codes if codes.is_contiguous() else codes.contiguous())
+        self.register_buffer("weight_sums", self.scale * self.weight_int8.sum(dim=1, dtype=torch.int32).float(),
+                             persistent=False)
+        self.register_buffer("key", torch.zeros((), dtype=torch.long), persistent=False)
+        self._set_packed()
+
+    def _set_packed(self) -> None:
+        # the bias is added outside the kernel, in float32 (as on the several-positions path)
+        self.packed = _pack(self.weight_int8, self.scale, None)
+        self.key.fill_(next(_KEYS))
+        _LAYERS[int(self.key)] = self
+
+    def _product(self, codes: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque call in the layer's graph
+            return torch.ops.skipdecode.w8a8_linear(codes, self.key, self.scale)
+        return torch.ops.quantized.linear_dynamic(codes, self.packed, True)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight of the several-positions path, ``q * scale``: (N, K) float32."""
+        return self.weight_int8.float() * self.scale[:, None]
+
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed int8 weight (N x K; FBGEMM's column offsets not counted)."""
+        return self.out_features * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., T, K) float32 CPU -> (..., T, N)."""
+        from .quantize import QuantizeError
+
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise QuantizeError(f"w8a8 layers take float32 CPU inputs, got {x.dtype} on {x.device.type}")
+        shape = x.shape
+        if x.ndim >= 2 and shape[-2] == 1:  # one position per row: a decode step
+            y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums)
+            y = y.reshape(*shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight_int8.to(x.dtype)) * self.scale
+        return y if self.bias is None else y + self.bias
+
+    # copies (deepcopy, pickle) pack their codes again, under a key of their own
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["packed"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._set_packed()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
