@@ -11,6 +11,7 @@ from skipdecode import quantize
 from skipdecode.model import SkipModel
 from skipdecode.quantize import Int4Linear, Int8Linear, quantize_model, resident_bytes
 from skipdecode.rescored_head import RESCORE_MAX_ROWS, RescoredHead
+from skipdecode.w8a8 import W8A8Linear
 
 from conftest import make_model
 
@@ -21,10 +22,15 @@ def _head(n: int = 512, k: int = 64, candidates: int = 16, bias: bool = False) -
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_candidates_get_int8_logits_and_the_rest_the_preview(bias):
+@pytest.mark.parametrize("row_preview", [True, False])
+def test_candidates_get_int8_logits_and_the_rest_the_preview(bias, row_preview):
     head = _head(bias=bias)
+    assert isinstance(head.row_preview, W8A8Linear)  # FBGEMM on the test CPU
+    if not row_preview:
+        head.row_preview = None  # as without FBGEMM: the int4 kernel's preview
     x = torch.randn(5, 64)
-    out, preview, exact = head(x), head.preview(x), head.exact(x)
+    out, preview, exact = head(x), head.preview_logits(x), head.exact(x)
+    assert torch.equal(preview, (head.row_preview or head.preview)(x[:, None])[:, 0])
     idx = preview.topk(head.candidates, dim=-1).indices
     assert torch.allclose(out.gather(-1, idx), exact.gather(-1, idx), rtol=1e-5, atol=1e-6)
     rest = torch.ones_like(out, dtype=torch.bool).scatter_(-1, idx, False)
@@ -40,7 +46,29 @@ def test_greedy_pick_is_the_int8_heads():
     x = torch.randn(64, 64)
     exact = head.exact(x).argmax(-1)
     assert torch.equal(head(x).argmax(-1), exact)
-    assert not torch.equal(head.preview(x).argmax(-1), exact)
+    assert not torch.equal(head.preview(x).argmax(-1), exact)  # the int4 preview alone
+
+
+def test_row_preview_is_per_row_and_closer_to_int8_than_int4():
+    """Each row's logits (candidates and the rest) equal its logits alone, exactly; the W8A8
+    preview is closer to the int8 logits than the int4 one."""
+    head = _head(n=1024, candidates=16)
+    x = torch.randn(7, 64)
+    out = head(x)
+    for i in range(7):
+        assert torch.equal(out[i], head(x[i : i + 1])[0])
+    exact = head.exact(x)
+    assert (head.row_preview(x[:, None])[:, 0] - exact).norm() < 0.5 * (head.preview(x) - exact).norm()
+
+
+def test_without_fbgemm_the_int4_preview_serves(monkeypatch):
+    from skipdecode import w8a8
+
+    monkeypatch.setattr(w8a8, "fbgemm_available", lambda: (False, "no FBGEMM here"))
+    head = _head()
+    assert head.row_preview is None
+    x = torch.randn(3, 64)
+    assert torch.equal(head.preview_logits(x), head.preview(x))
 
 
 def test_many_rows_run_the_int8_head_alone():
@@ -64,6 +92,8 @@ def test_candidates_validation_and_clamp():
 
 def test_step_read_bytes_counts_the_preview_and_the_candidate_rows():
     head = _head(n=512, k=64, candidates=16)
+    assert head.step_read_bytes(1) == 512 * 64 + 512 * 4 + 16 * (64 + 4)  # packed int8 + scales
+    head.row_preview = None
     preview = sum(t.numel() * t.element_size() for t in head.preview.buffers())
     assert head.step_read_bytes(1) == preview + 16 * (64 + 4)
     assert head.step_read_bytes(8) - head.step_read_bytes(1) == 7 * 16 * (64 + 4)
@@ -95,6 +125,7 @@ def test_int4_head_works_on_the_dequantizing_fallback():
     w = torch.randn(256, 64) * 0.1
     head = RescoredHead(w, candidates=8)
     head.preview = Int4Linear(w, kernel=False)
+    head.row_preview = None
     x = torch.randn(3, 64)
     idx = F.linear(x, head.preview.dequantized()).topk(8, dim=-1).indices
     assert torch.allclose(head(x).gather(-1, idx), head.exact(x).gather(-1, idx), rtol=1e-5, atol=1e-6)
