@@ -46,7 +46,7 @@ def bench(
     profile: bool = typer.Option(False, "--profile", help="Also break a decode step down (full depth and the largest speedup)."),
     profile_batch_sizes: str = typer.Option("1,8", "--profile-batch-sizes", help="Batch sizes of the --profile breakdown."),
     bandwidth_gbs: float = typer.Option(15.0, "--bandwidth-gbs", help="Memory bandwidth (GB/s) of the profile's bytes-per-step floor."),
-    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " Speed is the same either way (the adapter is merged)."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " The stock weights are what llama.cpp runs: the adapter costs speed on full-depth decode steps (its delta is taken out again) and with int4 (it stays a float LoRA path)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile (each row gets its memory floor)."),

@@ -128,10 +128,11 @@ class RescoredHead(nn.Module):
 
 
 def _row_preview(exact: nn.Module) -> nn.Module | None:
-    """The float32 rows' preview on ``exact``'s int8 codes (sharing them): a
+    """The float32 rows' preview on ``exact``'s int8 codes (packed again for FBGEMM): a
     :class:`~skipdecode.w8a8.W8A8Linear`, or None off the CPU or without FBGEMM. On the 2-core AVX2
-    test CPU a compiled 3x int4 decode step takes 8.3 against 9.0 ms at batch 1 with it, 17.6
-    against 20.8 at batch 8 (one process each, same prompt)."""
+    test CPU a compiled 3x int4 decode step on the stock weights takes 8.55 against 9.3 ms at
+    batch 1 with it (the previews swapped in one process), 17.6 against 20.8 at batch 8 (separate
+    runs)."""
     from .quantize import QuantizeError
     from .w8a8 import W8A8Linear
 
