@@ -135,12 +135,7 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
-    """Bytes a decode step reads from ``module``: its resident bytes, less the int8 codes that
-    W8A8 layers keep for prefills only (a decode step reads FBGEMM's packed copy)."""
-    from .w8a8 import W8A8Linear
-
-    unread = sum(m.weight_int8.numel() for m in module.modules() if isinstance(m, W8A8Linear))
-    return resident_bytes(module)["total"] - unread
+    return resident_bytes(module)["total"]
 
 
 def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) -> float:

@@ -5,14 +5,13 @@ Scheme (SmoothQuant's W8A8 without smoothing; the dynamic quantization of PyTorc
 
 - weights: symmetric int8, one scale per output channel, ``s_n = max_k |W[n, k]| / 127``, the
   codes of :class:`skipdecode.quantize.Int8Linear`;
-- activations, on a decode step (one position per row): each row is quantized on its own to
-  unsigned 7-bit codes with its own scale and zero point (its min and max, computed at run time),
-  multiplied with the int8 weights in int32 and rescaled to float32 by FBGEMM
+- activations: each position (a decode row, a prompt token) is quantized on its own to unsigned
+  7-bit codes with its own scale and zero point (from its min and max, at run time), multiplied
+  with the int8 weights in int32 and rescaled to float32 by FBGEMM
   (``torch.ops.quantized.linear_dynamic`` with ``reduce_range=True``, PyTorch's x86 kernel; 7 bits
-  keep its 8-bit multiply-adds from saturating). One call per row: a row's output never depends
-  on its batch neighbours (solo and batched rows are equal, as with float weights);
-- several positions per row (a prefill, teacher forcing): the float product with the dequantized
-  weight ``q * s_n`` (weight-only int8, as :class:`~skipdecode.quantize.Int8Linear` computes it).
+  keep its 8-bit multiply-adds from saturating), all positions in one call (:func:`_rows`). A
+  position's output never depends on the other positions or rows (solo and batched rows are
+  equal, as with float weights).
 
 Why: on CPUs without AVX-512 PyTorch's weight-only int8 kernel (``_weight_int8pack_mm``) and
 inductor's fused dequantizing loops are slower than a float32 GEMV, while FBGEMM's integer
@@ -20,6 +19,8 @@ kernels read int8 weights near memory speed (the 49152x576 LM head at one row on
 test CPU: 1.3 ms against 13.3 ms weight-only int8 and 4.6 ms float32; docs/quantization.md).
 Activation rounding costs accuracy: about 1.6 % relative error per product on Gaussian inputs
 against 0.75 % for weight-only int8 (measured; the quality table is in docs/quantization.md).
+A prefill runs at about the speed of float32 (FBGEMM's integer GEMM against MKL's float one, 64
+to 512 prompt tokens), a decode step at int8's memory traffic.
 
 The product is the custom op ``skipdecode::w8a8_linear`` so that compiled layer graphs
 (``load(..., compile=True)``) keep it as one opaque call without a graph break (FBGEMM's packed
@@ -101,6 +102,8 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weig
     row r's result is the same whatever the other rows hold. Plain tensor code: inside a compiled
     layer inductor fuses it around the one opaque ``product`` call.
     """
+    if x.shape[0] == 0:
+        return x.new_zeros((0, weight_sums.shape[0]))
     lo = x.amin(dim=1, keepdim=True).clamp(max=0.0)
     hi = x.amax(dim=1, keepdim=True).clamp(min=0.0)
     a = (hi - lo) / 127.0
@@ -142,12 +145,11 @@ class W8A8Linear(nn.Module):
         weight: (N, K) float weight, as in ``nn.Linear`` (on the CPU).
         bias: (N,) float bias or None.
 
-    Buffers: ``weight_int8`` (N, K) int8 codes in [-127, 127] (the several-positions path);
-    ``scale`` (N,) float32, ``max_k |W[n, k]| / 127`` (1 for an all-zero row); ``key`` (0-dim
-    int64, not saved). FBGEMM packs a second copy of the codes (``self.packed``, about N x K
-    bytes, counted by :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`):
-    unpacking it for a prefill costs more than the prefill's products. ``forward``: (..., T, K) float32 -> (..., T, N); T = 1 (a
-    decode step) runs the W8A8 product, T > 1 the dequantized weight.
+    Buffers: ``scale`` (N,) float32, ``max_k |W[n, k]| / 127`` (1 for an all-zero row);
+    ``weight_sums`` (N,) ``scale_n sum_k q_nk`` and ``key`` (0-dim int64), neither saved. The int8
+    codes live in FBGEMM's packed weight only (``self.packed``, N x K bytes, counted by
+    :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`). ``forward``:
+    (..., K) float32 -> (..., N), every position quantized on its own.
 
     Raises:
         QuantizeError: a non-CPU weight, or a PyTorch build without FBGEMM (says why); ``forward``
@@ -166,8 +168,8 @@ class W8A8Linear(nn.Module):
 
     @classmethod
     def from_int8(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "W8A8Linear":
-        """A layer on existing int8 ``codes`` (N, K) and per-row ``scale`` (N,), e.g. those of an
-        :class:`~skipdecode.quantize.Int8Linear`; ``weight_int8`` shares their storage."""
+        """A layer on existing int8 ``codes`` (N, K) in [-127, 127] and per-row ``scale`` (N,),
+        e.g. those of an :class:`~skipdecode.quantize.Int8Linear` (packed, not kept)."""
         check_usable(codes.device)
         self = cls.__new__(cls)
         nn.Module.__init__(self)
@@ -178,17 +180,19 @@ class W8A8Linear(nn.Module):
     def _init(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.register_buffer("scale", scale)
-        self.register_buffer("weight_int8", codes if codes.is_contiguous() else codes.contiguous())
-        self.register_buffer("weight_sums", self.scale * self.weight_int8.sum(dim=1, dtype=torch.int32).float(),
-                             persistent=False)
+        self.register_buffer("weight_sums", scale * codes.sum(dim=1, dtype=torch.int32).float(), persistent=False)
         self.register_buffer("key", torch.zeros((), dtype=torch.long), persistent=False)
-        self._set_packed()
+        self._set_packed(codes)
 
-    def _set_packed(self) -> None:
-        # the bias is added outside the kernel, in float32 (as on the several-positions path)
-        self.packed = _pack(self.weight_int8, self.scale, None)
+    def _set_packed(self, codes: torch.Tensor) -> None:
+        # the bias is added outside the kernel, in float32
+        self.packed = _pack(codes.contiguous(), self.scale, None)
         self.key.fill_(next(_KEYS))
         _LAYERS[int(self.key)] = self
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes (N, K) in [-127, 127], read back from the packed weight (a copy)."""
+        return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
 
     def _product(self, codes: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque call in the layer's graph
@@ -196,8 +200,8 @@ class W8A8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(codes, self.packed, True)
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight of the several-positions path, ``q * scale``: (N, K) float32."""
-        return self.weight_int8.float() * self.scale[:, None]
+        """The int8 weight as floats, ``q * scale``: (N, K) float32."""
+        return self.codes().float() * self.scale[:, None]
 
     def packed_nbytes(self) -> int:
         """Bytes of the packed int8 weight (N x K; FBGEMM's column offsets not counted)."""
@@ -210,22 +214,21 @@ class W8A8Linear(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise QuantizeError(f"w8a8 layers take float32 CPU inputs, got {x.dtype} on {x.device.type}")
         shape = x.shape
-        if x.ndim >= 2 and shape[-2] == 1:  # one position per row: a decode step
-            y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums)
-            y = y.reshape(*shape[:-1], self.out_features)
-        else:
-            y = F.linear(x, self.weight_int8.to(x.dtype)) * self.scale
+        y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums)
+        y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    # copies (deepcopy, pickle) pack their codes again, under a key of their own
+    # copies (deepcopy, pickle) carry the codes and pack them again, under a key of their own
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        state["_codes"] = self.codes()
         del state["packed"]
         return state
 
     def __setstate__(self, state: dict) -> None:
+        codes = state.pop("_codes")
         super().__setstate__(state)
-        self._set_packed()
+        self._set_packed(codes)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
