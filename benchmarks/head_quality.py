@@ -2,9 +2,11 @@
 
 The embedded model's float32 decoder runs teacher-forced over E2E test texts (``MR\\nreference``,
 one per row of ``testset_w_refs.csv``); at every position its final hidden state goes through
-four heads of the same tied matrix: float32 (the reference), int8 (``Int8Linear``), a plain int4
-head (``Int4Linear``) and the int4 models' head (``RescoredHead``: int4 preview, int8 logits for
-the top candidates; :mod:`skipdecode.rescored_head`). Per head: the share of positions whose
+the heads of the same tied matrix: float32 (the reference), int8 (``Int8Linear``), W8A8
+(``W8A8Linear``: int8 weights, the hidden state quantized to int8), a plain int4 head
+(``Int4Linear``) and the int4 models' head (``RescoredHead``: a preview of every logit, int8
+logits for the top candidates; :mod:`skipdecode.rescored_head`) with each of its previews: the
+int4 kernel's and the W8A8 one it uses on the CPU. Per head: the share of positions whose
 argmax equals float32's, the share equal to the int8 head's, and the mean KL(float32 || head) in
 nats per token (the distribution moved by the head alone; decoder layers stay float32).
 
@@ -50,10 +52,16 @@ def heads(weight: torch.Tensor) -> dict[str, torch.nn.Module]:
     from skipdecode.quantize import Int4Linear, Int8Linear
     from skipdecode.rescored_head import RescoredHead
 
+    from skipdecode.w8a8 import W8A8Linear
+
     float_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     float_head.weight.data = weight
-    return {"float32": float_head, "int8": Int8Linear(weight), "int4 (plain)": Int4Linear(weight),
-            "int4 rescored (int4 models' head)": RescoredHead(weight)}
+    int4_preview = RescoredHead(weight)
+    int4_preview.row_preview = None  # the former preview: PyTorch's int4 kernel
+    return {"float32": float_head, "int8": Int8Linear(weight), "w8a8": W8A8Linear(weight),
+            "int4 (plain)": Int4Linear(weight),
+            "int4 rescored, int4 preview": int4_preview,
+            "int4 rescored, W8A8 preview (int4 models' head)": RescoredHead(weight)}
 
 
 @torch.no_grad()
