@@ -23,6 +23,7 @@ from skipdecode.engine import Engine, Request
 from skipdecode.loading import LoadError, load
 from skipdecode.model import SkipModel
 from skipdecode.quantize import QuantizeError, quantize_model, quantized_mode, resident_bytes
+from skipdecode.rescored_head import RescoredHead
 from skipdecode.w8a8 import W8A8Linear
 
 from conftest import make_chain_model, make_model
@@ -117,7 +118,8 @@ def test_decode_logits_close_every_family(family):
     assert quantized_mode(q) == "w8a8"
     rel = ((_decode_logits(q, ids) - ref).abs().max() / ref.abs().max()).item()
     assert 0 < rel <= 0.08, rel
-    assert isinstance(q.get_output_embeddings(), W8A8Linear)
+    head = q.get_output_embeddings()  # W8A8 preview, candidates rescored from int8, no int4 copy
+    assert isinstance(head, RescoredHead) and head.preview is None and isinstance(head.row_preview, W8A8Linear)
     q4 = quantize_model(make_model(family), "int4")
     assert (_decode_logits(q4, ids) - ref).abs().max() > (_decode_logits(q, ids) - ref).abs().max()
 
@@ -163,10 +165,26 @@ def test_inflight_rows_equal_solo_and_compiled_equals_eager(tmp_path, tokenizer)
 def test_resident_bytes_count_the_packed_weights():
     model = make_model("llama")
     quantize_model(model, "w8a8")
-    layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]  # the head's preview included
     rb = resident_bytes(model)
     expected = sum(m.out_features * m.in_features + 8 * m.out_features + 8 for m in layers)  # codes, scale, sums, key
+    exact = model.get_output_embeddings().exact  # the head's int8 codes, for rescoring; its
+    expected += exact.weight_int8.numel()  # scales are the preview's (one storage, counted once)
     assert rb["quantized"] == expected
+
+
+def test_w8a8_head_picks_the_int8_heads_token():
+    """The w8a8 models' head: a W8A8 preview of every logit, the top candidates rescored from the
+    int8 head; its greedy pick is the int8 head's where the plain W8A8 head's is not."""
+    torch.manual_seed(4)
+    w = torch.randn(2048, 64) * 0.1
+    head = RescoredHead(w, candidates=64, int4_preview=False)
+    x = torch.randn(64, 64)
+    exact = head.exact(x)
+    assert torch.equal(head(x).argmax(-1), exact.argmax(-1))
+    assert not torch.equal(head.row_preview(x[:, None])[:, 0].argmax(-1), exact.argmax(-1))
+    for i in range(3):  # per row, exactly
+        assert torch.equal(head(x)[i], head(x[i : i + 1])[0])
 
 
 def test_refusals_name_the_option(monkeypatch, tmp_path, tokenizer):
@@ -182,6 +200,8 @@ def test_refusals_name_the_option(monkeypatch, tmp_path, tokenizer):
     monkeypatch.setattr(w8a8, "fbgemm_available", lambda: (False, "no FBGEMM engine"))
     with pytest.raises(LoadError, match="quantize='w8a8' needs FBGEMM: no FBGEMM engine"):
         load(directory, quantize="w8a8")
+    with pytest.raises(QuantizeError, match="quantize='w8a8' needs FBGEMM: no FBGEMM engine"):
+        RescoredHead(torch.randn(32, 16), int4_preview=False)
 
 
 def test_fbgemm_self_test_passes_here():

@@ -181,7 +181,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         from .quantize import _QuantLinear
 
         quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
-        if not quantized:
+        if not any(isinstance(m, _QuantLinear) for m in adapter.layers.modules()):  # (w8a8: only its head's int8 copy)
             raise ValueError("compile mode 'kernels' needs weight-only quantized weights (quantize='int8' or 'int4')")
     if check and (backend == "inductor" or mode == "kernels"):
         ok, why = compile_available()

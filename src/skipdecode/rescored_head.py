@@ -49,6 +49,9 @@ class RescoredHead(nn.Module):
         weight: (N, K) float head weight (vocabulary x hidden), as in ``nn.Linear``.
         bias: (N,) float bias or None.
         candidates: k, rows' logits rescored from int8 (clamped to N); >= 1.
+        int4_preview: keep the int4 preview (for rows the W8A8 one cannot take: off the CPU,
+            not float32, no FBGEMM). False (w8a8 models' head): the W8A8 preview only; such rows
+            then get the int8 head's logits everywhere.
 
     Submodules: ``preview`` (:class:`~skipdecode.quantize.Int4Linear`) and ``exact``
     (:class:`~skipdecode.quantize.Int8Linear`), both of ``weight``, and ``row_preview``, the
@@ -62,20 +65,27 @@ class RescoredHead(nn.Module):
 
     Raises:
         ValueError: ``candidates`` < 1 (names ``candidates``).
-        skipdecode.quantize.QuantizeError: K odd (int4 needs an even width).
+        skipdecode.quantize.QuantizeError: K odd (int4 needs an even width); ``int4_preview``
+            False where the W8A8 preview cannot be made (names why).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, candidates: int = RESCORE_CANDIDATES) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, candidates: int = RESCORE_CANDIDATES,
+                 int4_preview: bool = True) -> None:
         super().__init__()
-        from .quantize import Int4Linear, Int8Linear
+        from .quantize import Int4Linear, Int8Linear, QuantizeError
 
         if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
             raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
         self.out_features, self.in_features = weight.shape
         self.candidates = min(candidates, self.out_features)
-        self.preview = Int4Linear(weight, bias)
+        self.preview = Int4Linear(weight, bias) if int4_preview else None
         self.exact = Int8Linear(weight, bias)
         self.row_preview = _row_preview(self.exact)
+        if self.preview is None and self.row_preview is None:
+            from .w8a8 import check_usable
+
+            check_usable(weight.device)  # raises, naming why
+            raise QuantizeError("a rescored head without its int4 preview needs the W8A8 one")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., K) -> logits (..., N): preview everywhere, int8 at each row's top ``k``."""
@@ -93,7 +103,7 @@ class RescoredHead(nn.Module):
         rows where it exists, else the int4 ``preview``."""
         if self.row_preview is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return self.row_preview(x[:, None, :])[:, 0]
-        return self.preview(x)
+        return self.preview(x) if self.preview is not None else self.exact(x)
 
     def rescore(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Int8 logits of the candidates: ``x`` (M, K), ``idx`` (M, k) vocabulary ids -> (M, k).
