@@ -16,7 +16,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from skipdecode import w8a8
 from skipdecode.engine import Engine, Request

@@ -22,7 +22,6 @@ The library never prints: ``skipdecode bench --variants ...`` does.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from typing import Any, Callable, Sequence
 

@@ -37,7 +37,6 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["W8A8Linear", "check_usable", "fbgemm_available", "w8a8_linear"]
