@@ -196,6 +196,8 @@ def test_refusals_name_the_option(monkeypatch, tmp_path, tokenizer):
     SkipModel(make_model("llama"), tokenizer).save_pretrained(directory)
     with pytest.raises(LoadError, match="compile='kernels' needs quantize='int8' or 'int4'"):
         load(directory, quantize="w8a8", compile="kernels")
+    with pytest.raises(LoadError, match="quantize='w8a8' needs dtype float32 .*, got 'bfloat16'"):
+        load(directory, quantize="w8a8", dtype="bfloat16")
     monkeypatch.setattr(w8a8, "fbgemm_available", lambda: (False, "no FBGEMM engine"))
     with pytest.raises(LoadError, match="quantize='w8a8' needs FBGEMM: no FBGEMM engine"):
         load(directory, quantize="w8a8")

@@ -167,7 +167,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             compiled tail) for decode steps. "kernels": every quantized linear
             (:mod:`skipdecode.quantize`) runs its decode-step product through a shared compiled
             fused kernel; the rest stays eager (the faster choice on the test CPU, see
-            docs/quantization.md). "auto": kernels for a quantized model, else layers.
+            docs/quantization.md). "auto": kernels for an int8 model, else layers (:func:`resolve_mode`).
 
     Returns:
         A :class:`CompileReport`; ``enabled=False`` and ``error`` set when compilation is

@@ -170,7 +170,7 @@ def load(
             that LoRA adapter, merged into whatever ``model`` is.
         quantize: None (float weights), ``"int8"`` or ``"int4"``: weight-only quantized
             decoder-layer linears and LM head (:mod:`skipdecode.quantize`, docs/quantization.md);
-            ``"w8a8"``: int8 weights with each decode row's activations quantized to int8 at run
+            ``"w8a8"``: int8 weights with each position's activations quantized to int8 at run
             time (:mod:`skipdecode.w8a8`, FBGEMM, CPU only; the fastest int8 on CPUs without
             AVX-512); the input embedding stays float. ``SkipModel.resident_bytes`` reports the memory.
             With int4 a LoRA adapter (``adapter``, or a LoRA checkpoint folder) is not merged but
@@ -192,7 +192,8 @@ def load(
             from the sha256 that skipdecode.json records for it (names the file), skipdecode.json's
             policy or ``num_layers`` does not fit the model, the
             ``adapter`` folder cannot be read or does not fit the model, ``quantize`` is not None,
-            "int8", "int4" or "w8a8" (names ``quantize``), w8a8 off the CPU or without FBGEMM,
+            "int8", "int4" or "w8a8" (names ``quantize``), w8a8 off the CPU, without FBGEMM or
+            with a ``dtype`` other than float32,
             ``compile`` is not a bool or a compile mode (names ``compile``), or
             ``compile="kernels"`` without ``quantize`` "int8" or "int4".
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
@@ -208,6 +209,8 @@ def load(
         raise LoadError(str(err)) from None
     if not isinstance(compile, bool) and compile not in ("auto", "kernels", "layers"):
         raise LoadError(f"compile must be True, False or one of auto, kernels, layers, got {compile!r}")
+    if quantize == "w8a8" and torch_dtype != torch.float32:
+        raise LoadError(f"quantize='w8a8' needs dtype float32 (FBGEMM takes float32 activations), got {dtype!r}")
     if compile == "kernels" and quantize not in ("int8", "int4"):
         raise LoadError(f"compile='kernels' needs quantize='int8' or 'int4' (it compiles their weight-only products), "
                         f"got quantize={quantize!r}; w8a8 compiles with compile=True or 'layers'")

@@ -1,5 +1,6 @@
-"""A cheap LM head for int4 models: a 4-bit preview of every logit, the top candidates rescored
-exactly from an int8 copy.
+"""A cheap LM head for int4 and w8a8 models: a preview of every logit (on the CPU in float32 the
+W8A8 product of the int8 codes, elsewhere a 4-bit copy), the top candidates rescored exactly from
+an int8 copy.
 
 The LM head of a small model is the largest single matrix a decode step reads (SmolLM2-135M:
 49152 x 576, 28 MB in int8, 14 MB in int4, against 3.5 MB in int8 for a whole decoder layer), and
@@ -15,7 +16,7 @@ top candidates), with a low-bit preview instead of a truncated SVD.
 Guarantees (tested):
 
 - the ``k`` candidate logits equal the int8 head's (``Int8Linear``) up to float32 summation order;
-  every other logit is the int4 preview's;
+  every other logit is the preview's;
 - so greedy decoding picks the int8 head's token whenever that token is among the preview's top
   ``k`` (its preview logit is within the int4 rounding of its int8 logit, and ``k`` is large
   against the preview's rank errors: on SmolLM2 the int4 head's top-1 already agrees 85 % of the
@@ -24,9 +25,10 @@ Guarantees (tested):
 - more than :data:`RESCORE_MAX_ROWS` rows (a prefill or teacher-forced pass, compute-bound)
   run the int8 head for every logit, so prompt logits are the int8 head's exactly.
 
-Memory: both copies are resident (int8 + int4: 28 + 15 MB for SmolLM2), and FBGEMM's packed copy
-of the int8 codes for the one-row preview (28 MB); a decode step reads one preview and ``k`` int8
-rows per row (:meth:`RescoredHead.step_read_bytes`).
+Memory: both copies are resident (int8 + int4: 28 + 15 MB for SmolLM2; w8a8 models' head has no
+int4 copy), and FBGEMM's packed copy of the int8 codes for the W8A8 preview (28 MB, up to
+:data:`RESCORE_MAX_ROWS` rows); a decode step
+reads one preview and ``k`` int8 rows per row (:meth:`RescoredHead.step_read_bytes`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class RescoredHead(nn.Module):
             not float32, no FBGEMM). False (w8a8 models' head): the W8A8 preview only; such rows
             then get the int8 head's logits everywhere.
 
-    Submodules: ``preview`` (:class:`~skipdecode.quantize.Int4Linear`) and ``exact``
+    Submodules: ``preview`` (:class:`~skipdecode.quantize.Int4Linear`; None with
+    ``int4_preview=False``) and ``exact``
     (:class:`~skipdecode.quantize.Int8Linear`), both of ``weight``, and ``row_preview``, the
     preview of float32 rows on the CPU: the int8 codes of ``exact`` with each row's activations
     quantized to int8 on their own (:class:`~skipdecode.w8a8.W8A8Linear`, FBGEMM; None where

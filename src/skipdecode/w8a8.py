@@ -16,7 +16,7 @@ Scheme (SmoothQuant's W8A8 without smoothing; the dynamic quantization of PyTorc
 Why: on CPUs without AVX-512 PyTorch's weight-only int8 kernel (``_weight_int8pack_mm``) and
 inductor's fused dequantizing loops are slower than a float32 GEMV, while FBGEMM's integer
 kernels read int8 weights near memory speed (the 49152x576 LM head at one row on the 2-core AVX2
-test CPU: 1.3 ms against 13.3 ms weight-only int8 and 4.6 ms float32; docs/quantization.md).
+test CPU: 1.3 ms against about 13-14 ms weight-only int8 and 4.6 ms float32; docs/quantization.md).
 Activation rounding costs accuracy: about 1.6 % relative error per product on Gaussian inputs
 against 0.75 % for weight-only int8 (measured; the quality table is in docs/quantization.md).
 A prefill runs at about the speed of float32 (FBGEMM's integer GEMM against MKL's float one, 64
