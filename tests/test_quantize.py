@@ -187,3 +187,13 @@ def test_load_quantize_option(tmp_path, tokenizer):
     assert sk.resident_bytes()["quantized"] > 0
     ref = _logits(load(tmp_path / "ckpt").model)
     assert ((_logits(sk.model) - ref).abs().max() / ref.abs().max()) <= 0.05
+
+
+def test_load_refuses_a_device_this_machine_lacks(tmp_path, tokenizer):
+    """From Python as from the CLI: one LoadError naming ``device``, before anything is read."""
+    missing = tmp_path / "never_read"
+    if not torch.cuda.is_available():
+        with pytest.raises(LoadError, match="device cuda: this torch build or machine has no CUDA GPU; use device cpu"):
+            load(missing, device="cuda")
+    with pytest.raises(LoadError, match="device must be a torch device such as cpu, cuda or cuda:1, got 'gpu0'"):
+        load(missing, device="gpu0")

@@ -194,16 +194,14 @@ def check_output_folder(folder: Path, option: str) -> None:
 def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):
     """Load ``model_name`` (None: embedded default), turning load errors into clean exits.
 
-    ``quantize`` ("int8"/"int4"), ``compile`` and ``adapter`` (True: the shipped skip adapter, if
-    any; False: none) are passed to :func:`skipdecode.load`; with
+    ``quantize`` ("int8"/"int4"/"w8a8"), ``compile`` and ``adapter`` (True: the shipped skip
+    adapter, if any; False: none) are passed to :func:`skipdecode.load`; with
     ``compile``, the compile time (or why it fell back to eager) is printed to stderr.
     """
-    import torch
-
     check_quantize_option(quantize)
 
     from .adapters import UnsupportedArchitectureError
-    from .loading import LoadError, _resolve_dtype, load
+    from .loading import LoadError, _resolve_dtype, check_device, load
 
     try:
         _resolve_dtype(dtype)
@@ -211,13 +209,9 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
         fail(f"--{e}")
 
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        fail(f"--device must be a torch device such as cpu, cuda or cuda:1, got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda: this torch build or machine has no CUDA GPU; use --device cpu")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        fail("--device mps: MPS is not available here; use --device cpu")
+        check_device(device, "--device")
+    except LoadError as e:
+        fail(str(e))
 
     from transformers.utils import logging as hf_logging
 

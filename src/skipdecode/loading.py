@@ -138,6 +138,21 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
+def check_device(device: str | torch.device, option: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has. Raises :class:`LoadError` naming
+    ``option`` (``device``; the CLI passes ``--device``) for a malformed device, CUDA without a CUDA
+    build or GPU, or MPS where it is unavailable."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise LoadError(f"{option} must be a torch device such as cpu, cuda or cuda:1, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"{option} cuda: this torch build or machine has no CUDA GPU; use {option} cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise LoadError(f"{option} mps: MPS is not available here; use {option} cpu")
+    return dev
+
+
 def load(
     model: str | os.PathLike | None = None,
     *,
@@ -197,9 +212,11 @@ def load(
             ``compile`` is not a bool or a compile mode (names ``compile``), or
             ``compile="kernels"`` without ``quantize`` "int8" or "int4".
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
+        LoadError: a ``device`` this machine does not have (:func:`check_device`).
     """
     if not isinstance(adapter, (bool, str, os.PathLike)):
         raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
+    check_device(device)
     torch_dtype = _resolve_dtype(dtype)
     if torch_dtype == torch.bfloat16:
         warn_if_slow_bfloat16("dtype='bfloat16'")
