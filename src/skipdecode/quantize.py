@@ -53,6 +53,7 @@ __all__ = [
     "QuantizeError",
     "check_quantize",
     "Int8Linear",
+    "int8_codes",
     "Int4Linear",
     "quantize_model",
     "quantized_mode",
@@ -146,6 +147,16 @@ class _QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 scheme of :class:`Int8Linear` (and :class:`~skipdecode.w8a8.W8A8Linear`):
+    ``weight`` (N, K) -> (codes (N, K) int8 in [-127, 127], scale (N,) float32), with
+    ``scale_n = max_k |W[n, k]| / 127`` (1 for an all-zero row) and ``codes = round(W / scale)``."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(_QuantLinear):
     """Weight-only int8 linear layer: symmetric, one scale per output channel.
 
@@ -159,10 +170,7 @@ class Int8Linear(_QuantLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        q, scale = int8_codes(weight)
         self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("scale", scale.to(weight.dtype))
 

@@ -88,13 +88,14 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -
         torch.backends.quantized.engine = prior
 
 
-def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weight_sums: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weight_sums: torch.Tensor,
+          guard: torch.Tensor) -> torch.Tensor:
     """(M, K) float32 -> (M, N) float32: each row quantized on its own, one FBGEMM call for all.
 
     Row r gets the scale ``a_r = (max(x_r, 0) - min(x_r, 0)) / 127`` and zero point
     ``z_r = round(-min(x_r, 0) / a_r)``, codes ``u_r = clamp(round(x_r / a_r) + z_r, 0, 127)`` (the
     7-bit grid of FBGEMM's own dynamic quantization, ``reduce_range``). ``product`` (FBGEMM's
-    dynamic linear) gets the codes as floats with one guard row holding 0 and 127, so that the
+    dynamic linear) gets the codes as floats with one ``guard`` row (1, K) holding 0 and 127, so that the
     tensor-wide parameters it picks are scale 1 and zero 0 and it reads the codes exactly; it
     returns ``s_n sum_k u_rk q_nk``, and ``a_r (that - z_r weight_sums_n)`` with
     ``weight_sums_n = s_n sum_k q_nk`` is row r's product. The accumulation is in integers, so
@@ -109,8 +110,6 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weig
     a = torch.where(a > 0, a, torch.ones_like(a))
     z = torch.round(-lo / a)
     u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0)
-    guard = torch.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)
-    guard[0, 0] = 127.0
     y = product(torch.cat([u, guard]))[:-1]
     return a * (y - z * weight_sums)
 
@@ -156,14 +155,12 @@ class W8A8Linear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        from .quantize import int8_codes
+
         super().__init__()
         check_usable(weight.device)
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self._init(codes, scale, bias)
+        self._init(*int8_codes(weight), bias)
 
     @classmethod
     def from_int8(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "W8A8Linear":
@@ -181,6 +178,8 @@ class W8A8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("weight_sums", scale * codes.sum(dim=1, dtype=torch.int32).float(), persistent=False)
         self.register_buffer("key", torch.zeros((), dtype=torch.long), persistent=False)
+        self.guard = torch.zeros((1, self.in_features))  # :func:`_rows`' guard row, made once
+        self.guard[0, 0] = 127.0
         self._set_packed(codes)
 
     def _set_packed(self, codes: torch.Tensor) -> None:
@@ -213,7 +212,7 @@ class W8A8Linear(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise QuantizeError(f"w8a8 layers take float32 CPU inputs, got {x.dtype} on {x.device.type}")
         shape = x.shape
-        y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums)
+        y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums, self.guard)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
