@@ -15,6 +15,7 @@ from conftest import make_model
 from test_skip_adapter import ADAPTER_POLICY, NUM_LAYERS, PROMPT, _lora_dir
 from test_skip_adapter import adapter_dir, base_dir  # noqa: F401  (fixtures)
 from skipdecode import FullPolicy, LoadError, SkipModel, load
+from skipdecode.fused_linear import FusedSlice
 from skipdecode.lowrank import LoraFormatError, LowRankLinear, attach_lora, read_lora
 from skipdecode.quantize import Int4Linear, quantize_model
 
@@ -80,7 +81,8 @@ def test_int4_keeps_a_small_adapter_that_merging_would_erase(grid_base_dir, smal
     stock = load(str(grid_base_dir), adapter=False)
     int4 = load(str(grid_base_dir), adapter=str(small_adapter_dir), quantize="int4")
     q_proj = int4.model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, LowRankLinear) and isinstance(q_proj.base, Int4Linear)
+    assert isinstance(q_proj, LowRankLinear) and isinstance(q_proj.base, FusedSlice)
+    assert isinstance(q_proj.base.fused, Int4Linear)  # q/k/v as one int4 product (fused_linear)
     assert int4.skip_config["skip_adapter"]["merged"] is False and int4.policy == ADAPTER_POLICY
     merged_then_int4 = copy.deepcopy(floating)
     quantize_model(merged_then_int4.model, "int4")  # the former path: merge, then quantize

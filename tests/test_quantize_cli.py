@@ -86,9 +86,28 @@ def test_parse_variants():
     assert parse_variants("float32, int8+compile,int4") == [
         ("float32", None, False), ("int8+compile", "int8", "auto"), ("int4", "int4", False)]
     assert parse_variants("bfloat16") == [("bfloat16", None, False)]
-    for bad in ("bfloat16+compile", "bf16", "float16"):
+    assert parse_variants("int4-unfused+compile,w8a8-unfused") == [
+        ("int4-unfused+compile", "int4", "auto"), ("w8a8-unfused", "w8a8", False)]
+    for bad in ("bfloat16+compile", "bf16", "float16", "float32-unfused", "int4-unfused-unfused"):
         with pytest.raises(ValueError, match="or bfloat16; got"):
             parse_variants(bad)
+
+
+def test_unfused_variant_keeps_one_product_per_projection(tokenizer):
+    """``int8-unfused`` builds a copy without fused siblings, ``int8`` one with them (q/k/v and
+    gate/up: skipdecode.fused_linear); both leave the benchmarked model as it was."""
+    from skipdecode.bench_engines import build_variant, variant_fuse
+    from skipdecode.fused_linear import FusedSlice
+
+    sk = SkipModel(make_model("llama"), tokenizer)
+    cache: dict = {}
+    counts = {}
+    for name in ("int8-unfused", "int8"):
+        (item,) = parse_variants(name)
+        variant, _ = build_variant(sk, item[1], item[2], cache, fuse=variant_fuse(name))
+        counts[name] = sum(isinstance(m, FusedSlice) for m in variant.model.modules())
+    assert counts == {"int8-unfused": 0, "int8": 6 * 5} and len(cache) == 2
+    assert not any(isinstance(m, FusedSlice) for m in sk.model.modules())
 
 
 def test_run_variants_bfloat16_casts_a_copy(tokenizer):

@@ -33,6 +33,7 @@ from .quantize import QUANTIZE_MODES, quantize_model, resident_bytes
 __all__ = [
     "parse_variants",
     "variant_dtype",
+    "variant_fuse",
     "measure_bandwidth",
     "build_variant",
     "step_bytes",
@@ -47,10 +48,12 @@ __all__ = [
 def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
     """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
 
-    Each item is a weight format (float32, int8, int4, w8a8) with an optional ``+compile`` (compile
-    mode "auto": the fused int8 products, or the layer calls of a float32 or int4 model) or
-    ``+compile-layers`` (mode "layers": every decoder-layer call); or ``bfloat16`` (the model's
-    float weights cast to bfloat16, eager; :func:`variant_dtype`), fast on CPUs with AMX.
+    Each item is a weight format (float32, int8, int4, w8a8; a quantized one optionally
+    ``-unfused``: one product per projection instead of fused q/k/v and gate/up,
+    :func:`variant_fuse`) with an optional ``+compile`` (compile mode "auto": the fused int8
+    products, or the layer calls of a float32 or int4 model) or ``+compile-layers`` (mode
+    "layers": every decoder-layer call); or ``bfloat16`` (the model's float weights cast to
+    bfloat16, eager; :func:`variant_dtype`), fast on CPUs with AMX.
 
     Raises:
         ValueError: an unknown item (the message names ``--variants`` and the allowed forms).
@@ -60,11 +63,12 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
         if not item:
             continue
         base, _, suffix = item.partition("+")
+        base = base.removesuffix("-unfused") if base.removesuffix("-unfused") in QUANTIZE_MODES else base
         if item != "bfloat16" and (base not in ("float32", *QUANTIZE_MODES)
                                    or suffix not in ("", "compile", "compile-layers")):
             raise ValueError(
-                f"--variants items must be float32, int8, int4 or w8a8, each optionally +compile or "
-                f"+compile-layers, or bfloat16; got {item!r}"
+                f"--variants items must be float32, int8, int4 or w8a8 (the quantized ones optionally "
+                f"-unfused), each optionally +compile or +compile-layers, or bfloat16; got {item!r}"
             )
         mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
         out.append((item, None if base in ("float32", "bfloat16") else base, mode))
@@ -77,6 +81,12 @@ def variant_dtype(name: str) -> torch.dtype | None:
     """The float dtype a variant named ``name`` (:func:`parse_variants`) casts the model to:
     ``torch.bfloat16`` for ``"bfloat16"``, None (the loaded model's dtype) otherwise."""
     return torch.bfloat16 if name == "bfloat16" else None
+
+
+def variant_fuse(name: str) -> bool:
+    """Whether a variant named ``name`` (:func:`parse_variants`) quantizes sibling projections
+    as one product each (:mod:`skipdecode.fused_linear`): False for ``"<format>-unfused..."``."""
+    return not name.partition("+")[0].endswith("-unfused")
 
 
 def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:
@@ -103,9 +113,10 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float
 
 
 def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any, Any] | None = None,
-                  dtype: torch.dtype | None = None):
-    """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized and/or compiled, or
-    cast to ``dtype`` (a float dtype; None: ``sk``'s own).
+                  dtype: torch.dtype | None = None, fuse: bool = True):
+    """A :class:`SkipModel` sharing ``sk``'s tokenizer and policy, quantized (siblings fused into
+    one product unless ``fuse`` is False) and/or compiled, or cast to ``dtype`` (a float dtype;
+    None: ``sk``'s own).
 
     Quantized or cast weights are made from a deep copy of ``sk.model``, kept in ``cache`` by
     format, dtype and kernel mode (``int8+compile`` has its own copy, whose modules run compiled
@@ -117,12 +128,12 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
     cache = {} if cache is None else cache
     # compiled kernels are switched on per quantized module: such a variant gets its own copy
-    key = (quantize, quantize is not None and compile not in (False, "layers"), dtype)
+    key = (quantize, quantize is not None and compile not in (False, "layers"), dtype, fuse)
     if key not in cache:
         if dtype is not None:  # a copy of load()'s layers; off float32 the weight-first ones run F.linear
             cache[key] = copy.deepcopy(sk.model).to(dtype)
         else:
-            cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize)
+            cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize, fuse=fuse)
     variant = SkipModel(cache[key], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
                         skip_config=sk.skip_config)
     report = None
@@ -225,7 +236,7 @@ def run_variants(
     prompts = bench_kwargs.get("prompts")
     for i, (name, quantize, compile) in enumerate(variants):
         progress(f"variant {name}: preparing")
-        variant, report = build_variant(sk, quantize, compile, cache, dtype=variant_dtype(name))
+        variant, report = build_variant(sk, quantize, compile, cache, dtype=variant_dtype(name), fuse=variant_fuse(name))
         kwargs = dict(bench_kwargs)
         kwargs["include_hf"] = bool(bench_kwargs.get("include_hf", True)) and i == 0
         part = run_benchmark(variant, on_progress=lambda m, n=name: progress(f"{n}: {m}"), **kwargs)
@@ -239,6 +250,7 @@ def run_variants(
         rows += part["rows"]
         info[name] = {
             "quantize": quantize,
+            "fused_projections": quantize is not None and variant_fuse(name),
             "compile": compile,
             "dtype": str(next(variant.model.parameters()).dtype).removeprefix("torch."),
             "resident_bytes": resident_bytes(variant.model),

@@ -356,7 +356,8 @@ def _make(module: nn.Module, mode: str) -> nn.Module:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | None = None,
+                   fuse: bool = True) -> nn.Module:
     """Quantize the decoder layers' linears and the LM head of ``model`` in place (the head in
     :data:`HEAD_MODE` ``[mode]``: int8 for int8, an int4 preview rescored from int8 for int4).
 
@@ -365,6 +366,9 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
         mode: ``"int8"``, ``"int4"``, ``"w8a8"`` (int8 weights and per-token int8 activations on
             FBGEMM, CPU only: :mod:`skipdecode.w8a8`) or None (returns ``model`` unchanged).
         layers: the decoder layers (default: from the model's adapter).
+        fuse: quantize sibling projections of one input (q/k/v, gate/up) as one product each
+            (:mod:`skipdecode.fused_linear`: the same values, fewer kernel calls); False: one
+            quantized linear per projection.
 
     Returns:
         ``model`` (the same object), with ``model._skipdecode_quantize = mode``.
@@ -388,6 +392,10 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not _is_linear(head):
         raise QuantizeError("quantize needs a model with a linear LM head (get_output_embeddings())")
+    if fuse:
+        from .fused_linear import fuse_siblings
+
+        fuse_siblings(layers, lambda linear: _make(linear, mode))
     _quantize_children(layers, mode)
     new_head = _make(head, HEAD_MODE[mode])
     model.set_output_embeddings(new_head)
