@@ -179,3 +179,19 @@ def test_lora_wraps_fused_members():
     with torch.no_grad():
         assert torch.equal(plain(ids).logits, fused(ids).logits)
     assert isinstance(plain.model.layers[0].self_attn.k_proj.base, Int4Linear)
+
+
+def test_replace_group_linear_checks_features():
+    """A replacement must compute the group's features; it then serves every member and is
+    registered under the owner."""
+    from skipdecode.fused_linear import replace_group_linear
+
+    model = quantize_model(make_model("llama", 1), "int8")
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="computes 32 -> 64 features, got 32 -> 48"):
+        replace_group_linear(attn.k_proj, Int8Linear(torch.randn(48, 32)))
+    new = Int8Linear(torch.randn(64, 32))
+    replace_group_linear(attn.v_proj, new)
+    x = torch.randn(1, 2, 32)
+    assert attn.q_proj.fused is new and attn.k_proj.group.linear is new
+    assert torch.equal(attn.v_proj(x), new(x)[..., 48:64])

@@ -22,6 +22,11 @@ input modified in place between two calls is recomputed; inside a compiled graph
 inference-mode tensors, which have no version counter, the identity alone decides: HF layers
 never modify the input between the calls).
 
+LoRA. An adapter kept unmerged beside the quantized weights (int4, :mod:`skipdecode.lowrank`)
+gets one low-rank path per group, around the fused product (stacked ``A``, block-diagonal ``B``:
+:func:`skipdecode.lowrank.attach_lora`), so its thin products are fused too;
+:func:`replace_group_linear` puts such a wrapper in the group's place.
+
 Exactness. The quantized schemes here are per output row (int8 and w8a8: one scale per row;
 int4: a step and zero per row and input group; w8a8's activations: one scale per input row), so
 each output column of the fused product has the codes, scale and arithmetic of the separate one:
@@ -35,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["FUSED_GROUPS", "FusedSlice", "fuse_siblings"]
+__all__ = ["FUSED_GROUPS", "FusedSlice", "fuse_siblings", "replace_group_linear"]
 
 #: sibling projection names computed from one input, each fused into one product (HF's Llama,
 #: Mistral, Qwen2 attention and MLP names; GPT-2 and OPT name theirs otherwise or fuse already)
@@ -53,6 +58,7 @@ class _Shared:
         self.version = -1
         self.y: torch.Tensor | None = None
         self.pending = 0  # siblings that may still take their columns of ``y``
+        self.owner: nn.Module | None = None  # the member that registers ``linear``
 
 
 def _version(x: torch.Tensor) -> int:
@@ -74,6 +80,7 @@ class FusedSlice(nn.Module):
         super().__init__()
         if owner:
             self.fused = shared.linear
+            shared.owner = self
         self._shared = shared
         self.start, self.stop = int(start), int(stop)
         self.in_features = int(shared.linear.in_features)
@@ -93,6 +100,11 @@ class FusedSlice(nn.Module):
         if not compiling:
             s.version = _version(x)
         return y
+
+    @property
+    def group(self) -> _Shared:
+        """The group's shared state: ``.linear`` (the fused linear), ``.members`` (count)."""
+        return self._shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in_features) -> (..., out_features): this member's columns of the fused product."""
@@ -149,3 +161,22 @@ def fuse_siblings(root: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> in
                 start = stop
             count += 1
     return count
+
+
+def replace_group_linear(member: FusedSlice, linear: nn.Module) -> None:
+    """Make ``linear`` (same in/out features) the fused product of ``member``'s group, for every
+    member, and register it under the group's owner (e.g. a LoRA wrapper around the old one,
+    :func:`skipdecode.lowrank.attach_lora`).
+
+    Raises:
+        ValueError: ``linear``'s features differ from the group's; no owner holds the group.
+    """
+    shared = member.group
+    old = shared.linear
+    if (linear.in_features, linear.out_features) != (old.in_features, old.out_features):
+        raise ValueError(f"replace_group_linear: the group computes {old.in_features} -> {old.out_features} "
+                         f"features, got {linear.in_features} -> {linear.out_features}")
+    if shared.owner is None:
+        raise ValueError("replace_group_linear: no member of this group owns its fused linear")
+    shared.owner.fused = linear
+    shared.linear = linear

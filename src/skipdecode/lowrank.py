@@ -282,9 +282,33 @@ def read_lora(path: str | os.PathLike) -> dict[str, tuple[torch.Tensor, torch.Te
     return out
 
 
+def _attach_group(members: list, merged: bool, switch: PrefillSwitch | None) -> None:
+    """One :class:`LowRankLinear` around a fused group's product (:mod:`skipdecode.fused_linear`)
+    for the deltas of its members: ``A`` stacks the members' ``A_i`` (sum r_i, in), ``B`` is block
+    diagonal (out_total, sum r_i) with ``s_i B_i`` in member i's output columns and its own rank's
+    columns (zeros elsewhere: a member without a delta gets none). So ``B (A x)`` holds every
+    member's ``s_i B_i (A_i x)`` in its columns: two thin products per group instead of two per
+    member (the float sums differ from the separate ones by rounding only)."""
+    from .fused_linear import replace_group_linear
+
+    group = members[0][0].group
+    lin = group.linear
+    a_cat = torch.cat([a.float() for _, a, _, _ in members], 0)
+    b_bd = torch.zeros(lin.out_features, a_cat.shape[0], dtype=torch.float32)
+    offset = 0
+    for member, a, b, scaling in members:
+        b_bd[member.start:member.stop, offset:offset + a.shape[0]] = scaling * b.float()
+        offset += a.shape[0]
+    tensors = [*lin.parameters(), *lin.buffers()]
+    wrapped = LowRankLinear(lin, a_cat, b_bd, 1.0, merged=merged, switch=switch)
+    replace_group_linear(members[0][0], wrapped.to(tensors[0].device if tensors else a_cat.device))
+
+
 def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = False, decode_only: bool = False) -> int:
     """Wrap every module that the adapter in ``path`` adapts in a :class:`LowRankLinear`
-    (in place; after quantization, so the wrapped layer may be an int8/int4 module).
+    (in place; after quantization, so the wrapped layer may be an int8/int4 module). Fused
+    siblings (:mod:`skipdecode.fused_linear`) get one wrapper around their group's product,
+    holding all their deltas (:func:`_attach_group`).
 
     Args:
         model: the HF model.
@@ -295,7 +319,7 @@ def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = Fal
             the wrappers share one :class:`PrefillSwitch`, stored on ``model``.
 
     Returns:
-        The number of wrapped modules.
+        The number of adapted modules (the adapter's module paths).
 
     Raises:
         LoraFormatError: see :func:`read_lora`; a module path the model does not have; shapes
@@ -303,8 +327,11 @@ def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = Fal
     """
     if merged and not decode_only:
         raise ValueError("attach_lora: merged=True is for decode-only adapters (decode_only=True)")
+    from .fused_linear import FusedSlice
+
     deltas = read_lora(path)
     switch = (getattr(model, SWITCH_ATTR, None) or PrefillSwitch()) if decode_only else None
+    groups: dict[int, list] = {}  # fused siblings (q/k/v, gate/up): one low-rank path per group
     for name, (a, b, scaling) in deltas.items():
         parent_name, _, child = name.rpartition(".")
         try:
@@ -313,11 +340,16 @@ def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = Fal
         except AttributeError:
             raise LoraFormatError(f"adapter {path} adapts {name}, which this model does not have") from None
         try:
-            wrapped = LowRankLinear(base, a, b, scaling, merged=merged, switch=switch)
+            wrapped = LowRankLinear(base, a, b, scaling, merged=merged, switch=switch)  # checks the shapes
         except LoraFormatError as e:
             raise LoraFormatError(f"adapter {path}, {name}: {e}") from None
+        if isinstance(base, FusedSlice):
+            groups.setdefault(id(base.group), []).append((base, a, b, scaling))
+            continue
         tensors = [*base.parameters(), *base.buffers()]  # a quantized layer holds only buffers
         setattr(parent, child, wrapped.to(tensors[0].device if tensors else a.device))
+    for members in groups.values():
+        _attach_group(members, merged, switch)
     if switch is not None:
         object.__setattr__(model, SWITCH_ATTR, switch)  # a plain attribute, not a submodule
     return len(deltas)
