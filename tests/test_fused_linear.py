@@ -195,3 +195,10 @@ def test_replace_group_linear_checks_features():
     x = torch.randn(1, 2, 32)
     assert attn.q_proj.fused is new and attn.k_proj.group.linear is new
     assert torch.equal(attn.v_proj(x), new(x)[..., 48:64])
+
+
+def test_fuse_must_be_a_bool():
+    from skipdecode.quantize import QuantizeError
+
+    with pytest.raises(QuantizeError, match="fuse must be True or False, got 'no'"):
+        quantize_model(make_model("llama", 1), "int8", fuse="no")

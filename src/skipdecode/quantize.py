@@ -374,10 +374,12 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
         ``model`` (the same object), with ``model._skipdecode_quantize = mode``.
 
     Raises:
-        QuantizeError: bad ``mode``; the model is already quantized; no linear LM head; int4
+        QuantizeError: bad ``mode`` or ``fuse``; the model is already quantized; no linear LM head; int4
             with an odd input width; w8a8 off the CPU or without FBGEMM.
     """
     mode = check_quantize(mode)
+    if not isinstance(fuse, bool):
+        raise QuantizeError(f"fuse must be True or False, got {fuse!r}")
     if mode is None:
         return model
     if quantized_mode(model) is not None:
