@@ -76,7 +76,7 @@ def test_each_group_runs_its_product_once_per_layer_call(mode):
         model(torch.randint(3, 300, (2, 5)))
     assert len(calls) == len(linears) and {id(m) for m in calls} == {id(m) for m in linears}
     # and nothing is held after the group's last member took its columns
-    assert all(m._shared.x is None and m._shared.y is None for m in model.modules() if isinstance(m, FusedSlice))
+    assert all(m.group.held is None for m in model.modules() if isinstance(m, FusedSlice))
 
 
 def test_member_with_another_or_modified_input_computes_its_own_columns():
@@ -202,3 +202,28 @@ def test_fuse_must_be_a_bool():
 
     with pytest.raises(QuantizeError, match="fuse must be True or False, got 'no'"):
         quantize_model(make_model("llama", 1), "int8", fuse="no")
+
+
+def test_threads_sharing_a_model_get_their_own_products():
+    """Two threads running the same fused model on different inputs get their solo logits: the
+    held product is read and replaced as one tuple, so a race can only miss it."""
+    import threading
+
+    model = quantize_model(make_model("llama", 2), "int8")
+    inputs = [torch.randint(3, 300, (1, 6)) for _ in range(2)]
+    with torch.no_grad():
+        solo = [model(ids).logits for ids in inputs]
+    bad = []
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(40):
+                if not torch.equal(model(inputs[i]).logits, solo[i]):
+                    bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert bad == [] and not any(t.is_alive() for t in threads)

@@ -20,7 +20,8 @@ member computes the product itself, so the result is always the fused product of
 own input, only the cost changes (eagerly the input's version counter is checked too, so an
 input modified in place between two calls is recomputed; inside a compiled graph, and for
 inference-mode tensors, which have no version counter, the identity alone decides: HF layers
-never modify the input between the calls).
+never modify the input between the calls). The held product is one tuple read and replaced
+whole, so threads sharing a model can only miss it, never take another input's.
 
 LoRA. An adapter kept unmerged beside the quantized weights (int4, :mod:`skipdecode.lowrank`)
 gets one low-rank path per group, around the fused product (stacked ``A``, block-diagonal ``B``:
@@ -54,10 +55,10 @@ class _Shared:
     def __init__(self, linear: nn.Module, members: int) -> None:
         self.linear = linear
         self.members = members
-        self.x: torch.Tensor | None = None  # input of the product held in ``y``
-        self.version = -1
-        self.y: torch.Tensor | None = None
-        self.pending = 0  # siblings that may still take their columns of ``y``
+        # (input, its version, the product of it, siblings that may still take their columns) or
+        # None: one tuple, read and replaced whole, so that a thread racing another on the same
+        # model can only miss the held product, never take another input's
+        self.held: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
         self.owner: nn.Module | None = None  # the member that registers ``linear``
 
 
@@ -89,16 +90,13 @@ class FusedSlice(nn.Module):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         s = self._shared
         compiling = torch.compiler.is_compiling()
-        if s.x is x and s.pending > 0 and (compiling or s.version == _version(x)):
-            y = s.y
-            s.pending -= 1
-            if s.pending == 0:
-                s.x = s.y = None
+        held = s.held
+        if held is not None and held[0] is x and (compiling or held[1] == _version(x)):
+            _, version, y, pending = held
+            s.held = None if pending <= 1 else (x, version, y, pending - 1)
             return y
         y = s.linear(x)
-        s.x, s.y, s.pending = x, y, s.members - 1
-        if not compiling:
-            s.version = _version(x)
+        s.held = (x, -1 if compiling else _version(x), y, s.members - 1)
         return y
 
     @property
