@@ -63,7 +63,8 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
         if not item:
             continue
         base, _, suffix = item.partition("+")
-        base = base.removesuffix("-unfused") if base.removesuffix("-unfused") in QUANTIZE_MODES else base
+        if base.removesuffix("-unfused") in QUANTIZE_MODES:  # "-unfused": see variant_fuse
+            base = base.removesuffix("-unfused")
         if item != "bfloat16" and (base not in ("float32", *QUANTIZE_MODES)
                                    or suffix not in ("", "compile", "compile-layers")):
             raise ValueError(

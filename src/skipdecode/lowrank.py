@@ -87,11 +87,7 @@ class LowRankLinear(nn.Module):
     def __init__(self, base: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *,
                  merged: bool = False, switch: PrefillSwitch | None = None) -> None:
         super().__init__()
-        n_in, n_out = _features(base)
-        r = lora_A.shape[0]
-        if lora_A.shape != (r, n_in) or lora_B.shape != (n_out, r):
-            raise LoraFormatError(f"LoRA shapes A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} do not fit a "
-                                  f"{n_in} -> {n_out} linear")
+        n_in, n_out = _check_lora_shapes(base, lora_A, lora_B)
         self.base = base
         self.in_features, self.out_features = n_in, n_out
         self.register_buffer("lora_A", lora_A.detach().float().contiguous())
@@ -195,6 +191,20 @@ def narrow_rows(model: nn.Module, index: torch.Tensor) -> Iterator[None]:
 def has_decode_only_adapter(model: nn.Module) -> bool:
     """True when ``model`` (the HF model) carries a decode-only adapter."""
     return getattr(model, SWITCH_ATTR, None) is not None
+
+
+def _check_lora_shapes(base: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[int, int]:
+    """``(in, out)`` features of ``base`` after checking that A (r, in) and B (out, r) fit it.
+
+    Raises:
+        LoraFormatError: they do not fit (names both shapes), or ``base`` has no in/out features.
+    """
+    n_in, n_out = _features(base)
+    r = lora_A.shape[0]
+    if lora_A.shape != (r, n_in) or lora_B.shape != (n_out, r):
+        raise LoraFormatError(f"LoRA shapes A {tuple(lora_A.shape)}, B {tuple(lora_B.shape)} do not fit a "
+                              f"{n_in} -> {n_out} linear")
+    return n_in, n_out
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -340,12 +350,13 @@ def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = Fal
         except AttributeError:
             raise LoraFormatError(f"adapter {path} adapts {name}, which this model does not have") from None
         try:
-            wrapped = LowRankLinear(base, a, b, scaling, merged=merged, switch=switch)  # checks the shapes
+            _check_lora_shapes(base, a, b)
         except LoraFormatError as e:
             raise LoraFormatError(f"adapter {path}, {name}: {e}") from None
         if isinstance(base, FusedSlice):
             groups.setdefault(id(base.group), []).append((base, a, b, scaling))
             continue
+        wrapped = LowRankLinear(base, a, b, scaling, merged=merged, switch=switch)
         tensors = [*base.parameters(), *base.buffers()]  # a quantized layer holds only buffers
         setattr(parent, child, wrapped.to(tensors[0].device if tensors else a.device))
     for members in groups.values():
