@@ -61,6 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speedups", default="1,2", help="comma-separated request speedups (1 = full depth)")
     p.add_argument("--modes", default="inflight,serial", help="inflight and/or serial")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send `ignore_eos: true` (vLLM's extension), so every request writes exactly "
+                        "--max-tokens tokens at every policy (default: rows end at EOS)")
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="timed requests per client in a cell (at least 8 per cell)")
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
@@ -168,11 +171,15 @@ def prefix_stats(url: str) -> dict | None:
 
 
 async def one_request(client, prompt: str, max_tokens: int, speedup: float,
-                      chat: bool = False, served_model: str = "bench") -> tuple[float, float, int, dict]:
+                      chat: bool = False, served_model: str = "bench",
+                      ignore_eos: bool = False) -> tuple[float, float, int, dict]:
     """(latency s, time to first token s, completion tokens, the server's ``usage.skipdecode``
     statistics ({} without them)) of one streamed request: a text completion of ``prompt``, or
-    with ``chat`` a chat completion of one user message ``prompt``."""
+    with ``chat`` a chat completion of one user message ``prompt``; ``ignore_eos`` asks for
+    exactly ``max_tokens`` new tokens."""
     extra = {"speedup": speedup}  # always explicit: never the server's default policy
+    if ignore_eos:
+        extra["ignore_eos"] = True
     common = dict(model=served_model, max_tokens=max_tokens, temperature=0, stream=True,
                   stream_options={"include_usage": True}, extra_body=extra)
     t0 = time.perf_counter()
@@ -219,7 +226,8 @@ def cell_prompts(texts: list[str], clients: int, offset: int, per_client: int = 
 
 
 async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
-               chat: bool = False, served_model: str = "bench", offset: int = 0, per_client: int = 2) -> dict:
+               chat: bool = False, served_model: str = "bench", offset: int = 0, per_client: int = 2,
+               ignore_eos: bool = False) -> dict:
     """One load cell: ``clients`` concurrent streaming clients send ``max(8, per_client x clients)``
     requests to the server at ``url`` (serving ``served_model``), after an untimed warm-up round of
     ``clients`` concurrent requests with the same settings on other prompts.
@@ -235,12 +243,14 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as client:
         # warm-up, untimed: one round of `clients` concurrent requests at the cell's settings, so
         # that a fresh server has run this batch size and this policy before the clock starts
-        await asyncio.gather(*(one_request(client, w, max_tokens, speedup, chat, served_model) for w in warm))
+        await asyncio.gather(*(one_request(client, w, max_tokens, speedup, chat, served_model, ignore_eos)
+                               for w in warm))
         results: list[tuple[float, float, int, dict]] = []
 
         async def worker(k: int) -> None:
             for prompt in queue[k::clients]:
-                results.append(await one_request(client, prompt, max_tokens, speedup, chat, served_model))
+                results.append(await one_request(client, prompt, max_tokens, speedup, chat, served_model,
+                                                 ignore_eos))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(clients)))
@@ -357,7 +367,7 @@ def run_cell(args: argparse.Namespace, texts: list[str], mode: str, clients: int
         before = prefix_stats(url)
         row = {"mode": mode, "prompt_offset": offset,
                **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset,
-                                  per_client=args.requests_per_client))}
+                                  per_client=args.requests_per_client, ignore_eos=args.ignore_eos))}
         after = prefix_stats(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -388,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
-        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size,
+        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "max_batch_size": args.max_batch_size,
         "cohort_size": args.cohort_size, "align_steps": args.align_steps, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
         "dtype": args.dtype, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),

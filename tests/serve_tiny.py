@@ -1,7 +1,10 @@
 """Serve the tiny random llama of conftest on loopback (for tests/test_server_loopback.py).
 
     python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
-                                [--step-delay S] [--no-prefix-cache]
+                                [--step-delay S] [--no-prefix-cache] [--chain]
+
+``--chain`` serves conftest's chain model instead (after ``CHAIN_PROMPT`` it writes ``CHAIN_TEXT``,
+then EOS, then ``CHAIN_TEXT`` again), for tests that need a known answer length.
 
 ``--step-delay S`` sleeps S seconds in every forward pass of the engine, so that the tiny model
 decodes at the pace of a real one and a test can observe what happens *during* a long generation.
@@ -19,11 +22,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
-from conftest import make_model, make_tokenizer  # noqa: E402
+from conftest import make_chain_model, make_model, make_tokenizer  # noqa: E402
 import importlib  # noqa: E402
 
 from skipdecode.model import SkipModel  # noqa: E402
 from skipdecode.server import create_app  # noqa: E402
+
+
+#: the chain model's prompt and answer (``--chain``)
+CHAIN_PROMPT = "Describe the restaurant:"
+CHAIN_TEXT = "The Eagle is a coffee shop"
 
 
 def main() -> None:
@@ -35,6 +43,7 @@ def main() -> None:
     parser.add_argument("--cohort-size", type=int, default=1)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--no-prefix-cache", action="store_true")
+    parser.add_argument("--chain", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -55,7 +64,9 @@ def main() -> None:
                       cohort_size=args.cohort_size)
     if args.no_prefix_cache:
         kwargs["prefix_cache"] = False
-    app = create_app(SkipModel(make_model("llama"), make_tokenizer()), "tiny", **kwargs)
+    tok = make_tokenizer()
+    model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
+    app = create_app(SkipModel(model, tok), "tiny", **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

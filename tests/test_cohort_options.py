@@ -176,6 +176,30 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
         stop_server(proc)
 
 
+def test_server_load_ignore_eos_gives_every_request_max_tokens():
+    """--ignore-eos reaches the server: on the chain model (its answer is shorter than max_tokens
+    and ends at EOS) every request then writes exactly max_tokens tokens; without it, the answer
+    and its EOS."""
+    from serve_tiny import CHAIN_PROMPT, CHAIN_TEXT
+    from test_recipe_study import load_script
+
+    server_load = load_script("server_load")
+    assert server_load._parse(["--ignore-eos"]).ignore_eos is True
+    assert server_load._parse([]).ignore_eos is False
+    answer = len(make_tokenizer()(CHAIN_TEXT)["input_ids"]) + 1  # its EOS included
+    max_tokens = answer + 5
+    proc, url = start_server("--chain")
+    try:
+        rows = {flag: asyncio.run(server_load.load(url, [CHAIN_PROMPT], 2, 1.0, max_tokens, served_model="tiny",
+                                                   ignore_eos=flag))
+                for flag in (False, True)}
+    finally:
+        stop_server(proc)
+    assert rows[False]["tokens_per_request"] == answer
+    assert rows[True]["tokens_per_request"] == max_tokens
+    assert rows[True]["completion_tokens"] == 8 * max_tokens
+
+
 def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, capsys):
     """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser;
     --align-steps always reaches an in-flight server (0 included), never a serial one."""

@@ -111,16 +111,20 @@ class Executor:
 
     def submit(self, job: Any) -> Submission:
         """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
-        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``); call it on the event loop.
+        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``); call it on the
+        event loop.
 
         Raises:
             ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
             QueueFull: the waiting queue is full (the server answers 429).
         """
         tok = self.model.tokenizer
-        texts = [RowText(tok, self.eos_token_ids, job.stop) for _ in job.prompts]
+        ignore_eos = bool(getattr(job, "ignore_eos", False))
+        # ignore_eos: EOS ends no row (RowText still leaves EOS tokens out of the text)
+        texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not ignore_eos) for _ in job.prompts]
+        ends = () if ignore_eos else tuple(self.eos_token_ids)
         reqs = [
-            Request(list(ids), job.max_new_tokens, job.policy, job.sampling, tuple(self.eos_token_ids),
+            Request(list(ids), job.max_new_tokens, job.policy, job.sampling, ends,
                     texts[i].stopped if texts[i].stop else None, tag=i)
             for i, ids in enumerate(job.prompts)
         ]

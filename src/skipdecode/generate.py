@@ -382,16 +382,21 @@ class RowText:
         tokenizer: the model's HF tokenizer (decodes with ``skip_special_tokens``).
         eos_token_ids: ids that end the row (left out of the text).
         stop: stop strings; the text is cut before the first one found.
+        ends_at_eos: False when EOS does not end the row (a request's ``ignore_eos``): EOS ids are
+            still left out of the text, but pushing one does not make the reason "eos".
 
     Attributes:
         ids: generated ids so far (a final EOS included).
         text: the row's text so far (EOS left out, cut at a stop string).
-        reason: "length", "eos" (an EOS id was pushed) or "stop" (:meth:`stopped` found one).
+        reason: "length", "eos" (an EOS id was pushed and ends the row) or "stop" (:meth:`stopped`
+            found one).
     """
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 ends_at_eos: bool = True) -> None:
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
+        self.ends_at_eos = ends_at_eos
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.text = ""
@@ -412,7 +417,7 @@ class RowText:
         """Add generated ``token``; ``final`` when the row ends with it. Returns the new text to
         stream ("" when nothing visible is new)."""
         self.ids.append(token)
-        if token in self.eos:
+        if token in self.eos and self.ends_at_eos:
             self.reason = "eos"
         text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
         if self.reason == "stop":

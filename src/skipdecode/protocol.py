@@ -11,7 +11,9 @@ checks that every field of those types is handled here. Each field of a request 
   (a string or up to 4 non-empty strings),
   ``stream``, ``stream_options.include_usage``, ``n`` (only 1);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
-  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``;
+  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, and ``ignore_eos`` (vLLM's
+  extension of the same name: EOS does not end a row, so it runs to ``max_tokens`` or a stop
+  string; load tests use it to give every request the same number of new tokens);
 - **ignored**, because it cannot change the answer: ``user``, ``metadata``,
   ``safety_identifier``, the prompt-cache hints, ``parallel_tool_calls`` (no tools here);
 - **unsupported**: accepted only with a value that does not ask for the feature (null, or its
@@ -198,10 +200,12 @@ class SkipFields(_Body):
 
 
 class CommonFields(SkipFields):
-    """OpenAI fields shared by both endpoints, plus ``top_k`` (ours). None: the default.
+    """OpenAI fields shared by both endpoints, plus ``top_k`` and ``ignore_eos`` (ours). None: the default.
 
     Defaults: ``max_tokens`` :data:`DEFAULT_MAX_TOKENS` (lowered to what the context leaves),
-    ``temperature`` 0 (greedy; OpenAI's default is 1), ``top_p`` 1, ``top_k`` 0 (off).
+    ``temperature`` 0 (greedy; OpenAI's default is 1), ``top_p`` 1, ``top_k`` 0 (off),
+    ``ignore_eos`` false (true: generated EOS tokens do not end a row, as vLLM's ``ignore_eos``;
+    the row ends at ``max_tokens`` or a stop string, and EOS tokens are left out of its text).
     """
 
     model: Optional[StrictStr] = None
@@ -214,6 +218,7 @@ class CommonFields(SkipFields):
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
     n: Optional[StrictInt] = Field(None, ge=1, description="Only n=1 is supported.")
+    ignore_eos: Optional[StrictBool] = Field(False, description="EOS does not end a row (vLLM's extension).")
 
 
 class CompletionRequest(CommonFields):
@@ -318,6 +323,8 @@ class ValidRequest:
         stop: stop strings.
         stream: answer as server-sent events.
         include_usage: with ``stream``, a last chunk carries ``usage``.
+        ignore_eos: generated EOS tokens do not end a row (it ends at ``max_new_tokens`` or a
+            stop string).
     """
 
     kind: str
@@ -328,6 +335,7 @@ class ValidRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _first_field(message: str, fields: Sequence[str]) -> Optional[str]:
@@ -511,4 +519,5 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
         kind="chat" if chat else "text", prompts=prompts, policy=policy, sampling=sampling,
         max_new_tokens=max_new_tokens, stop=stop, stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options is not None and req.stream_options.include_usage),
+        ignore_eos=bool(req.ignore_eos),
     )
