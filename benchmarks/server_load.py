@@ -84,6 +84,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the server's torch threads (`skipdecode serve --threads`; default: torch's, one per core)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+                   help="`skipdecode serve --quantize` (default: float32 weights)")
+    p.add_argument("--compile", action="store_true",
+                   help="`skipdecode serve --compile` (the server compiles before it answers /health)")
     p.add_argument("--name", default="server_load", help="results base name under --out")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
@@ -140,6 +144,10 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         cmd.append("--no-prefix-cache")
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
+    if args.compile:
+        cmd.append("--compile")
     if serial:
         cmd.append("--serial")
     else:
@@ -400,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "max_batch_size": args.max_batch_size,
         "cohort_size": args.cohort_size, "align_steps": args.align_steps, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
-        "dtype": args.dtype, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
+        "dtype": args.dtype, "quantize": args.quantize, "compile": args.compile, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }

@@ -202,7 +202,8 @@ def test_server_load_ignore_eos_gives_every_request_max_tokens():
 
 def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, capsys):
     """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser;
-    --align-steps always reaches an in-flight server (0 included), never a serial one."""
+    --align-steps always reaches an in-flight server (0 included), never a serial one; --quantize
+    and --compile reach the server only when given, and an unknown format is refused."""
     from test_recipe_study import load_script
 
     server_load = load_script("server_load")
@@ -233,6 +234,13 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     with pytest.raises(SystemExit, match="status 3"):
         server_load.start_server(server_load._parse([]), serial=True)
     assert "--serial" in seen["cmd"] and "--align-steps" not in seen["cmd"]
+    assert "--quantize" not in seen["cmd"] and "--compile" not in seen["cmd"]  # float32, eager by default
+    with pytest.raises(SystemExit, match="status 3"):
+        server_load.start_server(server_load._parse(["--quantize", "w8a8", "--compile"]), serial=False)
+    assert seen["cmd"][seen["cmd"].index("--quantize") + 1] == "w8a8" and "--compile" in seen["cmd"]
+    with pytest.raises(SystemExit) as exc:
+        server_load._parse(["--quantize", "int3"])
+    assert exc.value.code == 2 and "--quantize" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--threads", "0"])
     assert exc.value.code == 2 and "--threads must be >= 1, got 0" in capsys.readouterr().err
