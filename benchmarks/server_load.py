@@ -8,6 +8,11 @@ loopback per cell, so every cell starts with an empty prefix cache), C clients (
 full depth and at each ``--speedup`` (the request's ``speedup`` field). Prompts come from the E2E
 test set in the shared data folder (the eval prompt template), else from built-in MRs.
 
+A row ends at EOS unless ``--ignore-eos`` sends ``ignore_eos: true`` (vLLM's extension, as its
+serving benchmark does): then every request writes exactly ``--max-tokens`` tokens at every policy,
+so requests/s compares equal work (otherwise a policy whose answers run longer serves fewer
+requests for the same tokens/s). ``--quantize`` and ``--compile`` are passed to ``serve``.
+
 The servers run with automatic prefix caching (``--no-prefix-cache`` turns it off). The cells of
 one client count, full depth and each speedup alike, in both modes, take the same consecutive
 prompts (``prompt_offset`` in the row), so the policies are compared on the same work; no prompt
@@ -21,6 +26,7 @@ Prints a Markdown table and ends with one JSON line; writes ``benchmarks/results
 requests/s of serial full depth, and in-flight 2x >= 1.5x in-flight full depth.
 
     python benchmarks/server_load.py                                    # embedded SmolLM2-135M
+    python benchmarks/server_load.py --clients 16 --modes inflight --ignore-eos --quantize w8a8 --compile
     python benchmarks/server_load.py --clients 1,4 --max-tokens 8 --model DIR --name smoke  # quick look
 
 Needs ``pip install -e ".[bench]"`` (the ``openai`` client). Run on a quiet machine.
