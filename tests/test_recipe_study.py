@@ -87,7 +87,13 @@ def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
     assert study["recipes"]["from-1x-kl"]["init"] == "1x" and study["recipes"]["from-1x-kl"]["config"]["teacher"] is None
     kl_1x = study["recipes"]["labels-kl-1x"]
     assert kl_1x["init"] == "base" and kl_1x["config"]["kl_weight"] == 1.0
-    assert kl_1x["config"]["teacher"] == str(tmp_path / "runs" / "1x" / "final")  # outside the repo: as given
+    # the 1x run's final checkpoint: relative to the repository when beside it (a clone in /tmp
+    # next to pytest's tmp_path), else as given (study_common.repo_relative)
+    teacher = kl_1x["config"]["teacher"]
+    assert (ROOT / teacher).resolve() == (tmp_path / "runs" / "1x" / "final").resolve()
+    beside = (tmp_path.resolve()).is_relative_to(ROOT.parent)
+    assert teacher == (str(tmp_path / "runs" / "1x" / "final") if not beside else
+                       str(Path("..") / (tmp_path / "runs" / "1x" / "final").resolve().relative_to(ROOT.parent)))
     for row in study["recipes"].values():  # the --minutes budget is the trainer's max_minutes
         assert row["config"]["max_minutes"] == 0.02 and row["planned_steps"] == 3
     assert study["n_heldout_pairs"] == 9 and study["n_train_pairs"] == 18
