@@ -16,6 +16,7 @@ Prints a Markdown table, writes ``benchmarks/results/<name>.json`` (repo-relativ
 of the prefill and decode seconds per policy, and ends with one JSON line.
 
     python benchmarks/engine_load.py --adapter --chat --clients 16 --requests-per-client 6 --align-steps 8
+    python benchmarks/engine_load.py --clients 16 --ignore-eos --quantize w8a8 --compile   # a server_load cell's twin
     python benchmarks/engine_load.py --model DIR --clients 2 --requests-per-client 2 --max-tokens 4 --name smoke
 """
 
@@ -52,6 +53,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="the engine's slots")
     p.add_argument("--align-steps", type=int, default=8, help="Engine(align_steps=) (serve's default is 8)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="EOS ends no row: every request writes exactly --max-tokens tokens (server_load.py's --ignore-eos)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+                   help="skipdecode.load(quantize=) (default: float32 weights)")
+    p.add_argument("--compile", action="store_true", help="skipdecode.load(compile=True); compiles before timing")
     p.add_argument("--name", default="engine_load", help="results base name under --out")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -80,7 +86,7 @@ def run_cell(sk, texts: list[str], args: argparse.Namespace, speedup: float) -> 
     from skipdecode.prompts import encode_prompt
 
     policy = None if speedup == 1.0 else sk.policy_for(speedup=speedup)
-    eos = _eos_ids(sk.tokenizer, sk.model)
+    eos = () if args.ignore_eos else _eos_ids(sk.tokenizer, sk.model)
     queue, warm = cell_prompts(texts, args.clients, 0, args.requests_per_client)
     engine = Engine(sk.adapter, args.max_batch_size, align_steps=args.align_steps)
 
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     from skipdecode import load
 
-    sk = load(args.model, adapter=bool(args.adapter) and args.model is None)
+    sk = load(args.model, adapter=bool(args.adapter) and args.model is None, quantize=args.quantize,
+              compile=args.compile)
     texts = prompts()
     rows = [run_cell(sk, texts, args, s) for s in args.speedups]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "engine_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "chat": args.chat, "clients": args.clients,
-        "max_tokens": args.max_tokens, "max_batch_size": args.max_batch_size, "align_steps": args.align_steps,
+        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "quantize": args.quantize,
+        "compile": args.compile, "max_batch_size": args.max_batch_size, "align_steps": args.align_steps,
         "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

@@ -40,12 +40,36 @@ def test_engine_load_rows_ratios_and_outputs(saved, tmp_path, monkeypatch, capsy
     assert result["align_steps"] == 2 and result["command"].startswith("python benchmarks/engine_load.py")
 
 
+def test_engine_load_ignore_eos_gives_every_request_max_tokens(tmp_path, monkeypatch, capsys, tokenizer):
+    """--ignore-eos: on the chain model (its answer ends at EOS before --max-tokens) every timed
+    request writes exactly --max-tokens tokens; without it, its answer and EOS."""
+    from serve_tiny import CHAIN_PROMPT, CHAIN_TEXT
+    from conftest import make_chain_model
+    from skipdecode import SkipModel
+
+    model_dir = tmp_path / "chain"
+    SkipModel(make_chain_model(tokenizer, CHAIN_PROMPT, CHAIN_TEXT), tokenizer).save_pretrained(model_dir)
+    engine_load = load_script("engine_load")
+    monkeypatch.setattr(engine_load, "prompts", lambda: [CHAIN_PROMPT])
+    answer = len(tokenizer(CHAIN_TEXT)["input_ids"]) + 1
+    tokens = {}
+    for flag in ([], ["--ignore-eos"]):
+        result = engine_load.main(["--model", str(model_dir), "--clients", "2", "--requests-per-client", "2",
+                                   "--max-tokens", str(answer + 4), "--speedups", "1", *flag,
+                                   "--out", str(tmp_path), "--name", "eos"])
+        (row,) = result["rows"]
+        tokens[bool(flag)] = round(row["tokens_per_second"] * row["seconds"])
+        assert result["ignore_eos"] is bool(flag) and result["quantize"] is None and result["compile"] is False
+    assert tokens == {False: 8 * answer, True: 8 * (answer + 4)}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--clients", "0"], "--clients must be >= 1, got 0"),
     (["--align-steps", "-1"], "--align-steps must be >= 0, got -1"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     (["--speedups", "2,3"], "--speedups must include 1"),
     (["--speedups", "fast"], "--speedups takes comma-separated numbers"),
+    (["--quantize", "int3"], "--quantize: invalid choice"),
 ])
 def test_engine_load_bad_arguments_exit_2(args, message, capsys):
     engine_load = load_script("engine_load")
