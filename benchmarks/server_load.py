@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -62,14 +63,14 @@ FALLBACK_MRS = [
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="server_load.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="model for `skipdecode serve --model` (default: embedded)")
+    p.add_argument("--model", default=None, help="model for `skipdecode serve --model` (None: the embedded one)")
     p.add_argument("--clients", default="1,4,16,64", help="comma-separated concurrent clients")
     p.add_argument("--speedups", default="1,2", help="comma-separated request speedups (1 = full depth)")
     p.add_argument("--modes", default="inflight,serial", help="inflight and/or serial")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send `ignore_eos: true` (vLLM's extension), so every request writes exactly "
-                        "--max-tokens tokens at every policy (default: rows end at EOS)")
+                        "--max-tokens tokens at every policy (off: rows end at EOS)")
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="timed requests per client in a cell (at least 8 per cell)")
     p.add_argument("--max-batch-size", type=int, default=64, help="in-flight server: rows decoding at once")
@@ -79,7 +80,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="in-flight server: `serve --align-steps` (hold waiting requests, at most this many "
                         "steps, while every running row is older; 0: off, whereas `serve` defaults to 8)")
     p.add_argument("--no-prefix-cache", action="store_true",
-                   help="serve with `--no-prefix-cache` (default: the servers reuse shared prompt prefixes; "
+                   help="serve with `--no-prefix-cache` (off: the servers reuse shared prompt prefixes; "
                         "each row records the prompt tokens reused and computed, from /health)")
     p.add_argument("--adapter", action=argparse.BooleanOptionalAction, default=False,
                    help="serve the embedded model with its shipped skip adapter (the users' default); "
@@ -88,10 +89,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="send chat completions (the adapter's training format) instead of text completions")
     p.add_argument("--threads", type=int, default=None,
                    help="the server's torch threads (`skipdecode serve --threads`; default: torch's, one per core)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="`skipdecode serve --device`")
+    p.add_argument("--dtype", default="float32", help="`skipdecode serve --dtype`")
     p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
-                   help="`skipdecode serve --quantize` (default: float32 weights)")
+                   help="`skipdecode serve --quantize` (None: float32 weights)")
     p.add_argument("--compile", action="store_true",
                    help="`skipdecode serve --compile` (the server compiles before it answers /health)")
     p.add_argument("--name", default="server_load", help="results base name under --out")
@@ -107,6 +108,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.modes = args.modes.split(",")
     checks = [("--modes", ",".join(args.modes), "inflight and/or serial", set(args.modes) <= {"inflight", "serial"}),
               ("--clients", ",".join(map(str, args.clients)), ">= 1", min(args.clients) >= 1),
+              ("--speedups", ",".join(f"{x:g}" for x in args.speedups), "finite numbers >= 1 (1 = full depth)",
+               all(math.isfinite(x) and x >= 1 for x in args.speedups)),
               ("--max-tokens", args.max_tokens, ">= 1", args.max_tokens >= 1),
               ("--requests-per-client", args.requests_per_client, ">= 1", args.requests_per_client >= 1),
               ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1)]

@@ -238,6 +238,10 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     with pytest.raises(SystemExit, match="status 3"):
         server_load.start_server(server_load._parse(["--quantize", "w8a8", "--compile"]), serial=False)
     assert seen["cmd"][seen["cmd"].index("--quantize") + 1] == "w8a8" and "--compile" in seen["cmd"]
+    for bad in ("0", "1,0.5", "nan"):  # refused before any server starts
+        with pytest.raises(SystemExit) as exc:
+            server_load._parse(["--speedups", bad])
+        assert exc.value.code == 2 and "--speedups must be finite numbers >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         server_load._parse(["--quantize", "int3"])
     assert exc.value.code == 2 and "--quantize" in capsys.readouterr().err
