@@ -76,7 +76,8 @@ def test_install_as_speedup_makes_speedup_run_the_trained_schedule(tmp_path, cus
     from skipdecode.info import describe_policy, info_lines, model_info  # info lists what --speedup 2 runs
 
     lines = info_lines(model_info(relabelled))
-    assert "  --speedup 2:   5 -> 2 of 6 layers over 4 tokens (warm-up 1)" in lines
+    # 5 - 3 t / 4 rounded half up: 4, 4, 3, 2 at decode steps 1-4
+    assert "  --speedup 2:   5 -> 2 of 6 layers over 4 tokens (warm-up 1); decode steps 1-2: 4 layers, 3: 3, 4+: 2" in lines
     # the other targets run the generic schedule, said as such (for_speedup(6, 3, 4) is 3 -> 2)
     generic = describe_policy(for_speedup(NUM_LAYERS, 3, 4).to_dict(), NUM_LAYERS)
     assert f"  --speedup 3:   {generic} (generic; not trained for)" in lines
@@ -140,3 +141,18 @@ def test_a_retimed_default_schedule_leaves_generic_speedups_on_the_checkpoints_h
     # without a saved horizon the default policy's is the default, as before
     plain = SkipModel(make_model("llama", NUM_LAYERS), tokenizer, policy=retimed, skip_config={})
     assert plain.horizon == 2 and plain.policy_for(speedup=3) == for_speedup(NUM_LAYERS, 3, 2)
+
+
+def test_info_names_the_layers_each_decode_step_runs():
+    """`skipdecode info` spells out the budgets (METHOD.md: e(t) = round_half_up(e_max - (e_max -
+    e_min) t / T)): with 14 full-depth steps, 25 -> 5 over 4 tokens runs 20, 15, 10, 5 at steps
+    15-18, never 25 (the prefill's budget); a long decay names only its first step and floor."""
+    from skipdecode.info import describe_policy, layers_by_step
+    from skipdecode.policy import LinearDecayPolicy
+
+    shipped = LinearDecayPolicy(30, 25, 5, 1, 4, full_depth_steps=14).to_dict()
+    assert layers_by_step(shipped) == "decode steps 1-14: 30 layers, 15: 20, 16: 15, 17: 10, 18+: 5"
+    assert describe_policy(shipped, 30).endswith("(warm-up 1); decode steps 1-14: 30 layers, 15: 20, 16: 15, 17: 10, 18+: 5")
+    # 14 - 8 t / 32 reaches 6.5 at t = 30 (rounds half up to 7), 6.25 at t = 31
+    assert layers_by_step(LinearDecayPolicy(30, 14, 6, 1, 32).to_dict()) == "decode step 1: 14 layers ... 6 from step 31"
+    assert layers_by_step(LinearDecayPolicy(6, 5, 5, 1, 4).to_dict()) == "decode steps 1+: 5 layers"

@@ -56,8 +56,40 @@ def describe_policy(policy: dict[str, Any] | None, num_layers: int) -> str:
         first = (f"{policy['full_depth_steps']} full-depth steps, then "
                  if policy.get("full_depth_steps") else "")
         return (f"{first}{policy['max_layers']} -> {policy['min_layers']} of {num_layers} layers over "
-                f"{policy['horizon']} tokens (warm-up {policy['warmup_layers']})")
+                f"{policy['horizon']} tokens (warm-up {policy['warmup_layers']}); {layers_by_step(policy)}")
     return str(policy)
+
+
+def layers_by_step(policy: dict[str, Any], max_runs: int = 6) -> str:
+    """The layers a linear-decay policy dict runs at each decode step, as runs of equal budgets:
+    ``"decode steps 1-14: 30 layers, 15: 20, 16: 15, 17: 10, 18+: 5"`` (the decay's own first
+    step already runs below ``max_layers``, which is the prefill's budget at step 0; METHOD.md
+    "The schedule"). With more than ``max_runs`` runs only the first and the floor are named:
+    ``"decode step 1: 14 layers ... 6 from step 32"``.
+
+    Raises:
+        ValueError: ``policy`` is not a valid linear-decay dict (:func:`~skipdecode.policy.policy_from_dict`).
+    """
+    from .policy import policy_from_dict
+
+    p = policy_from_dict(policy)
+    runs: list[list[int]] = []  # [first step, last step, layers]
+    step = 1
+    while True:
+        e = p.budget(step)
+        if runs and runs[-1][2] == e:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, e])
+        if e == p.min_layers and step > p.full_depth_steps:
+            break
+        step += 1
+    if len(runs) > max_runs:
+        return f"decode step 1: {runs[0][2]} layers ... {runs[-1][2]} from step {runs[-1][0]}"
+    spans = [f"{a}" if a == b else f"{a}-{b}" for a, b, _ in runs[:-1]] + [f"{runs[-1][0]}+"]
+    items = [f"{span}: {e}" for span, (_, _, e) in zip(spans, runs)]
+    items[0] += " layers"
+    return "decode steps " + ", ".join(items)
 
 
 def _mb(nbytes: Any) -> str:
