@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_load import cell_prompts, prompts, report  # noqa: E402  (the same prompts as the server's cells)
+from skipdecode.quantize import QUANTIZE_MODES  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="EOS ends no row: every request writes exactly --max-tokens tokens (server_load.py's --ignore-eos)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+    p.add_argument("--quantize", default=None, choices=list(QUANTIZE_MODES),
                    help="skipdecode.load(quantize=) (default: float32 weights)")
     p.add_argument("--compile", action="store_true", help="skipdecode.load(compile=True); compiles before timing")
     p.add_argument("--name", default="engine_load", help="results base name under --out")

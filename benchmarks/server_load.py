@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from skipdecode.jsonio import dumps  # strict JSON (NaN/inf -> null)
+from skipdecode.quantize import QUANTIZE_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -91,7 +92,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the server's torch threads (`skipdecode serve --threads`; default: torch's, one per core)")
     p.add_argument("--device", default="cpu", help="`skipdecode serve --device`")
     p.add_argument("--dtype", default="float32", help="`skipdecode serve --dtype`")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4", "w8a8"],
+    p.add_argument("--quantize", default=None, choices=list(QUANTIZE_MODES),
                    help="`skipdecode serve --quantize` (None: float32 weights)")
     p.add_argument("--compile", action="store_true",
                    help="`skipdecode serve --compile` (the server compiles before it answers /health)")

@@ -119,10 +119,9 @@ class Executor:
             QueueFull: the waiting queue is full (the server answers 429).
         """
         tok = self.model.tokenizer
-        ignore_eos = bool(getattr(job, "ignore_eos", False))
         # ignore_eos: EOS ends no row (RowText still leaves EOS tokens out of the text)
-        texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not ignore_eos) for _ in job.prompts]
-        ends = () if ignore_eos else tuple(self.eos_token_ids)
+        texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not job.ignore_eos) for _ in job.prompts]
+        ends = () if job.ignore_eos else tuple(self.eos_token_ids)
         reqs = [
             Request(list(ids), job.max_new_tokens, job.policy, job.sampling, ends,
                     texts[i].stopped if texts[i].stop else None, tag=i)

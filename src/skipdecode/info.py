@@ -65,7 +65,7 @@ def layers_by_step(policy: dict[str, Any], max_runs: int = 6) -> str:
     ``"decode steps 1-14: 30 layers, 15: 20, 16: 15, 17: 10, 18+: 5"`` (the decay's own first
     step already runs below ``max_layers``, which is the prefill's budget at step 0; METHOD.md
     "The schedule"). With more than ``max_runs`` runs only the first and the floor are named:
-    ``"decode step 1: 14 layers ... 6 from step 32"``.
+    ``"decode step 1: 14 layers ... 6 from step 31"``.
 
     Raises:
         ValueError: ``policy`` is not a valid linear-decay dict (:func:`~skipdecode.policy.policy_from_dict`).
