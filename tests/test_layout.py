@@ -51,6 +51,32 @@ def test_weight_first_product_equals_f_linear(rows, bias):
     torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 24), (1, 1, 24), (3, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_one_row_product_is_a_reduction(shape, bias):
+    """Traced by dynamo, one input row is a multiply and a sum over the input features (no
+    matrix product in the graph, so inductor makes it one reduction loop over the weight); more
+    rows keep the weight-first GEMM. Values equal F.linear's to float rounding."""
+    torch.manual_seed(len(shape))
+    layer = nn.Linear(24, 40, bias=bias)
+    layer.__class__ = WeightLeftLinear
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(*shape)
+    got = torch.compile(lambda t: layer(t), backend=capture, dynamic=False)(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
+    assert got.shape == (*shape[:-1], 40)
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")}
+    one_row = x.shape[:-1].numel() == 1
+    assert any("mm" in t for t in targets) is not one_row, targets
+    assert ("sum" in targets) is one_row, targets
+
+
 def test_weight_first_falls_back_to_f_linear_off_float32():
     layer = nn.Linear(8, 6).double()
     layer.__class__ = WeightLeftLinear

@@ -8,7 +8,15 @@ layout. The same product taken weight-first, ``(W @ x^T)^T`` with the row-major 
 left operand, takes 21, 22, 43 and 97 ms, and 198 against 232 ms at 132 rows (a prefill). At one
 row it pads to two (MKL's two-column GEMM streams the weights faster than its GEMV): 22 against
 25-26 ms alone, within noise in a compiled decode step and 3-10 % slower eagerly (more Python
-operations per call). In the decode-speed benchmark a static batch of 8 decodes at 88.8 against
+operations per call). Inside a compiled decode step (``torch.compile``, :mod:`skipdecode.compiled`)
+one row is instead a multiply and a sum over the input features, which inductor fuses into one
+vectorised reduction loop over the weight split across threads: on the 2-core AMD EPYC host of
+stop 37 MKL's one- and two-row products stream the weights at about 10-15 GB/s on one thread, the
+reduction at 24-42 GB/s, and the compiled full-depth batch-1 step falls from 40 to 25 ms
+(``benchmarks/results/decode_speed_onerow.json``). It is inductor's own ``decompose_mm_pass``
+idea for CPU (``torch/_inductor/fx_passes/decompose_mem_bound_mm.py``) without its 2048-feature
+limit, which leaves out the LM head. Eagerly the sum would materialise the (out, in) product, so
+eager calls keep the GEMM. In the decode-speed benchmark a static batch of 8 decodes at 88.8 against
 119.7 ms per step at full depth and 36.5 against 57.3 ms at 3x, batch 32 1.10-1.29x faster
 (benchmarks/results/decode_speed_weightleft.json against column-major weights, same host; the
 serving cells: docs/serving.md; docs/quantization.md "Weight layout").
@@ -116,7 +124,9 @@ class WeightLeftLinear(nn.Linear):
 
     Why: on this project's 2-core AVX2 CPU (PyTorch 2.13, MKL) ``x @ W^T`` with a few input rows
     is a poor GEMM (measured in the module docstring). A single input row is padded to two:
-    MKL's two-column GEMM streams the weight faster than its GEMV.
+    MKL's two-column GEMM streams the weight faster than its GEMV. Traced by ``torch.compile``
+    (:func:`torch.compiler.is_compiling`), a single row is ``(x * W).sum(-1)`` instead: inductor
+    fuses it into one reduction loop over the weight (module docstring).
 
     Input ``x`` (..., in_features) -> output (..., out_features), a view of the GEMM's
     (out_features, M) result (M = rows of ``x``; non-contiguous for M > 1, as a transposed
@@ -129,6 +139,10 @@ class WeightLeftLinear(nn.Linear):
             return F.linear(x, w, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
         one = x2.shape[0] == 1
+        if one and torch.compiler.is_compiling():
+            # one fused reduction loop over the weight, split across threads (module docstring)
+            y = (x2.unsqueeze(-2) * w).sum(-1)
+            return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], w.shape[0])
         if one:
             x2 = torch.cat([x2, x2])  # a real copy: a stride-0 expand would make MKL copy per call, slower
         y = torch.mm(w, x2.t()).t()
