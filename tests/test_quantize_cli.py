@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from skipdecode.quantize import resident_bytes
 from skipdecode.bench_engines import issue_targets, measure_bandwidth, parse_variants, run_variants, step_bytes
 from skipdecode.cli import app
 from skipdecode.model import SkipModel
@@ -140,6 +141,13 @@ def test_step_bytes_exact(tokenizer):
     assert step_bytes(sk, [6, 3], B, P) == pytest.approx(expected)
     q = SkipModel(quantize_model(make_model("llama"), "int8"), tokenizer)
     assert step_bytes(q, [6, 3], B, P) < 0.4 * expected
+    from skipdecode import onednn
+    from skipdecode.layout import weight_left
+
+    weight_left(model)  # oneDNN's packed duplicates are memory, not bytes a step reads
+    if onednn.enable(model):
+        assert resident_bytes(model)["total"] > sum(p.numel() * 4 for p in model.parameters())
+        assert step_bytes(sk, [6, 3], B, P) == pytest.approx(expected)
 
 
 def test_bandwidth_positive():

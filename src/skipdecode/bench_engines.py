@@ -146,7 +146,12 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
-    return resident_bytes(module)["total"]
+    """Bytes of ``module``'s weights as a step reads them: oneDNN's packed float32 duplicates
+    (:mod:`skipdecode.onednn`) are left out, since each product reads either the plain weight or
+    its packed copy, never both."""
+    from .onednn import packed_nbytes
+
+    return resident_bytes(module)["total"] - packed_nbytes(module)
 
 
 def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) -> float:

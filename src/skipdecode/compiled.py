@@ -54,6 +54,8 @@ class CompileReport:
             0.0 before :func:`warm_up`.
         warmed_batch_sizes: batch sizes the warm-up ran (sequences).
         error: why compilation is unavailable, one line ("" when enabled).
+        onednn_layers: float32 linears whose products of 3 or more rows use oneDNN's packed
+            weights (:mod:`skipdecode.onednn`; mode "layers" only).
     """
 
     enabled: bool
@@ -62,6 +64,7 @@ class CompileReport:
     compile_seconds: float = 0.0
     warmed_batch_sizes: list[int] = field(default_factory=list)
     error: str = ""
+    onednn_layers: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable copy."""
@@ -155,7 +158,8 @@ def resolve_mode(adapter: Adapter, mode: str) -> str:
     return "kernels" if quantized_mode(adapter.model) == "int8" else "layers"
 
 
-def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True, mode: str = "layers") -> CompileReport:
+def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = True, mode: str = "layers",
+                    onednn: bool = True) -> CompileReport:
     """Compile the decode step of ``adapter``'s model.
 
     Args:
@@ -168,6 +172,9 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             (:mod:`skipdecode.quantize`) runs its decode-step product through a shared compiled
             fused kernel; the rest stays eager (the faster choice on the test CPU, see
             docs/quantization.md). "auto": kernels for an int8 model, else layers (:func:`resolve_mode`).
+        onednn: mode "layers": float32 CPU linears also get oneDNN's packed weights for products
+            of 3 or more rows, eager ones included (a prefill), at the cost of a second copy of
+            those weights (:func:`skipdecode.onednn.enable`; ``CompileReport.onednn_layers``).
 
     Returns:
         A :class:`CompileReport`; ``enabled=False`` and ``error`` set when compilation is
@@ -237,6 +244,10 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
 
     adapter.compiled_layer_call = run
     _compile_head(adapter, backend, report)
+    if onednn:
+        from . import onednn as _onednn
+
+        report.onednn_layers = _onednn.enable(adapter.model)
     return report
 
 

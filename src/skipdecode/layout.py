@@ -13,7 +13,7 @@ one row is instead a multiply and a sum over the input features, which inductor 
 vectorised reduction loop over the weight split across threads: on the 2-core AMD EPYC host of
 stop 37 MKL's one- and two-row products stream the weights at about 10-15 GB/s on one thread, the
 reduction at 24-42 GB/s, and the compiled full-depth batch-1 step falls from 40 to 25 ms
-(``benchmarks/results/decode_speed_onerow.json``). It is inductor's own ``decompose_mm_pass``
+(``benchmarks/results/decode_speed_float32_stop37.json``). It is inductor's own ``decompose_mm_pass``
 idea for CPU (``torch/_inductor/fx_passes/decompose_mem_bound_mm.py``) without its 2048-feature
 limit, which leaves out the LM head. Eagerly the sum would materialise the (out, in) product, so
 eager calls keep the GEMM. In the decode-speed benchmark a static batch of 8 decodes at 88.8 against
@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import onednn
 
 __all__ = ["WeightLeftLinear", "weight_left", "is_weight_left", "column_major", "row_major", "contiguous_weights",
            "is_column_major"]
@@ -82,6 +84,7 @@ def row_major(model: nn.Module) -> int:
         The number of modules and parameters changed (0 when the model was never re-laid).
     """
     changed = 0
+    onednn.disable(model)
     for module in model.modules():
         if type(module) is WeightLeftLinear:
             module.__class__ = nn.Linear
@@ -126,12 +129,26 @@ class WeightLeftLinear(nn.Linear):
     is a poor GEMM (measured in the module docstring). A single input row is padded to two:
     MKL's two-column GEMM streams the weight faster than its GEMV. Traced by ``torch.compile``
     (:func:`torch.compiler.is_compiling`), a single row is ``(x * W).sum(-1)`` instead: inductor
-    fuses it into one reduction loop over the weight (module docstring).
+    fuses it into one reduction loop over the weight (module docstring). With ``onednn`` set
+    (:func:`skipdecode.onednn.enable`, done by ``compile=True``), products of 3 or more rows go
+    to oneDNN's prepacked weight instead (:mod:`skipdecode.onednn`).
 
     Input ``x`` (..., in_features) -> output (..., out_features), a view of the GEMM's
     (out_features, M) result (M = rows of ``x``; non-contiguous for M > 1, as a transposed
     product is). Other dtypes, devices or a non-contiguous weight fall back to ``F.linear``.
     """
+
+    #: set by :func:`skipdecode.onednn.enable`: products of ``onednn.MIN_ROWS`` or more rows use
+    #: oneDNN's packed copy of the weight (held in ``_onednn_packed``)
+    onednn: bool = False
+    _onednn_packed = None
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed oneDNN weight out (a copy has its own weight)."""
+        state = dict(self.__dict__)
+        state.pop("_onednn_packed", None)
+        state.pop("onednn", None)
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -143,6 +160,9 @@ class WeightLeftLinear(nn.Linear):
             # one fused reduction loop over the weight, split across threads (module docstring)
             y = (x2.unsqueeze(-2) * w).sum(-1)
             return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], w.shape[0])
+        if self.onednn and x2.shape[0] >= onednn.MIN_ROWS:  # oneDNN's packed weight (skipdecode.onednn)
+            y = torch.ops.skipdecode.onednn_linear(x2, w, self.bias)
+            return y.reshape(*x.shape[:-1], w.shape[0])
         if one:
             x2 = torch.cat([x2, x2])  # a real copy: a stride-0 expand would make MKL copy per call, slower
         y = torch.mm(w, x2.t()).t()

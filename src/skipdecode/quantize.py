@@ -419,7 +419,8 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
     module tree; float).
 
     Returns ``{"total", "quantized" (int8/int4 weights and their scales, w8a8's packed FBGEMM
-    weights), "float"}`` in bytes.
+    weights), "float"}`` in bytes; "float" includes oneDNN's packed float32 copies
+    (:func:`skipdecode.onednn.packed_nbytes`, made by ``compile=True``).
     """
     from .entry_bridge import entry_bridge_of
     from .w8a8 import W8A8Linear
@@ -440,4 +441,7 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
             n = t.untyped_storage().nbytes()
             total += n
             quant += n if is_q else 0
+    from .onednn import packed_nbytes
+
+    total += packed_nbytes(model)
     return {"total": total, "quantized": quant, "float": total - quant}
