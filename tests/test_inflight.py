@@ -388,3 +388,25 @@ def test_generate_reports_the_mean_batch_of_its_decode_steps(tokenizer):
     assert static.stats()["mean_batch_rows"] == 2.0 and static.mean_batch_rows is None
     one_slot = sk.generate(TEXT_PROMPTS[:2], max_new_tokens=5, policy=POLICIES[0], max_batch_size=1)
     assert one_slot.stats()["mean_batch_rows"] == 1.0  # one row at a time: never shared
+
+
+def test_on_fresh_thread_returns_raises_and_leaves_no_thread():
+    """``skipdecode serve`` loads the model through on_fresh_thread (its OpenMP team must end with
+    it): the value comes back, exceptions (SystemExit too) are raised on the caller, and the
+    thread that ran it has ended."""
+    import threading
+
+    from skipdecode.scheduler import on_fresh_thread
+
+    seen = {}
+
+    def work(a, b=0):
+        seen["thread"] = threading.current_thread()
+        return a + b
+
+    assert on_fresh_thread(work, 2, b=3) == 5
+    assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
+    with pytest.raises(ValueError, match="bad"):
+        on_fresh_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    with pytest.raises(SystemExit):
+        on_fresh_thread(lambda: (_ for _ in ()).throw(SystemExit(2)))

@@ -484,7 +484,10 @@ def serve(
         align_steps = 0 if serial else SERVE_ALIGN_STEPS
     check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
-    sk = load_model(model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
+    from .scheduler import on_fresh_thread
+
+    # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one left
+    sk = on_fresh_thread(load_model, model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     import uvicorn
 
