@@ -65,6 +65,20 @@ def test_unknown_weight_falls_back_to_f_linear():
     torch.testing.assert_close(torch.ops.skipdecode.onednn_linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("rows", [2, 3, 7])
+def test_op_output_is_contiguous_like_its_fake(rows):
+    """Compiled graphs read the op's result with the fake kernel's strides (contiguous (M, N)):
+    below MIN_ROWS (weight-first, a transposed product) and above it (oneDNN) alike. A transposed
+    view once gave NaN logits inside a compiled layer."""
+    net = nn.Sequential(_layer(bias=False))
+    onednn.enable(net)
+    x = torch.randn(rows, 24)
+    for w in (net[0].weight, torch.randn(40, 24)):
+        y = torch.ops.skipdecode.onednn_linear(x, w, None)
+        assert y.is_contiguous() and y.shape == (rows, 40)
+        torch.testing.assert_close(y, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_copies_and_row_major_drop_the_packed_copy_and_memory_counts_it():
     torch.manual_seed(0)
     net = nn.Sequential(_layer(), _layer(16, 40, seed=1))

@@ -160,7 +160,7 @@ class WeightLeftLinear(nn.Linear):
             # one fused reduction loop over the weight, split across threads (module docstring)
             y = (x2.unsqueeze(-2) * w).sum(-1)
             return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], w.shape[0])
-        if self.onednn and x2.shape[0] >= onednn.MIN_ROWS:  # oneDNN's packed weight (skipdecode.onednn)
+        if self.onednn and not one:  # oneDNN's packed weight from MIN_ROWS rows (skipdecode.onednn)
             y = torch.ops.skipdecode.onednn_linear(x2, w, self.bias)
             return y.reshape(*x.shape[:-1], w.shape[0])
         if one:

@@ -17,12 +17,14 @@ input embedding (tied to the LM head), ``state_dict``, training and quantizers. 
 model that is 538 MB more; ``resident_bytes`` counts it (:func:`packed_nbytes`).
 
 How. :func:`enable` packs every :class:`~skipdecode.layout.WeightLeftLinear` of a model and marks
-it (``onednn = True``); such a layer sends a product of :data:`MIN_ROWS` or more rows to the
-custom op ``skipdecode::onednn_linear(x, weight, bias)``, which compiled layer graphs keep as one
-opaque call (dynamo cannot pass oneDNN's opaque tensors) and which finds the packed copy by the
-weight's storage address. A packed copy is used only while the weight is the one it was packed
-from, unmodified (same address, shape and version counter); otherwise the op repacks it (a weight
-changed in place) or falls back to ``F.linear`` (a weight it never saw), so results stay right.
+it (``onednn = True``); such a layer sends every product of two or more rows to the custom op
+``skipdecode::onednn_linear(x, weight, bias)``, which compiled layer graphs keep as one opaque
+call (dynamo cannot pass oneDNN's opaque tensors). The op uses the packed copy from
+:data:`MIN_ROWS` rows on (it decides, so graphs hold no guard on the row count) and finds it by
+the weight's storage address. A packed copy is used only while the weight is the one it was
+packed from, unmodified (same address, shape and version counter); otherwise the op repacks it (a
+weight changed in place) or computes the product weight-first (a weight it never saw), so results
+stay right.
 :func:`disable` drops the copies.
 """
 
@@ -97,11 +99,16 @@ _LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) float32, weight (N, K), bias (N,) or None ->
-    (M, N), through the packed copy of ``weight`` that :func:`enable` made (``F.linear`` itself
-    when there is none). The CPU kernel of ``torch.ops.skipdecode.onednn_linear``."""
-    packed = _packed_for(weight)
+    (M, N): from :data:`MIN_ROWS` rows through the packed copy of ``weight`` that :func:`enable`
+    made, below it (or when there is no copy) weight-first as :class:`~skipdecode.layout.WeightLeftLinear`
+    computes it. The CPU kernel of ``torch.ops.skipdecode.onednn_linear``. The row count is
+    decided here, inside the opaque op, so that a compiled graph holds no guard on it (a guard
+    would compile the layers again for every batch size on either side of :data:`MIN_ROWS`)."""
+    packed = _packed_for(weight) if x.shape[0] >= MIN_ROWS else None
     if packed is None:
-        return F.linear(x, weight, bias)
+        # contiguous, as the fake kernel promises: compiled code reads the result with its strides
+        y = torch.mm(weight, x.t()).t().contiguous() if weight.is_contiguous() else F.linear(x, weight)
+        return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
