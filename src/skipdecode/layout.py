@@ -78,7 +78,8 @@ def column_major(model: nn.Module) -> int:
 
 def row_major(model: nn.Module) -> int:
     """Undo :func:`weight_left` and :func:`column_major`: every :class:`WeightLeftLinear` of
-    ``model`` becomes a plain ``nn.Linear`` again and every column-major 2-D parameter contiguous.
+    ``model`` becomes a plain ``nn.Linear`` again (its oneDNN packed copy, if any, is dropped:
+    :func:`skipdecode.onednn.disable`) and every column-major 2-D parameter contiguous.
 
     Returns:
         The number of modules and parameters changed (0 when the model was never re-laid).
