@@ -346,3 +346,31 @@ def test_set_threads_applies_the_count_and_keeps_the_default_when_unset():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_serve_interrupted_while_loading_exits_130_at_once(runner, monkeypatch):
+    """Ctrl-C while the model loads on its own thread (scheduler.on_fresh_thread): one line and
+    exit code 130 through os._exit, not the interpreter's shutdown, which raced the loading
+    thread inside torch's C++ code and sometimes ended in a C++ abort (found in a trial)."""
+    import socket
+
+    import skipdecode.cli as cli
+    import skipdecode.scheduler as scheduler
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    exits = []
+
+    def fake_exit(code):
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(scheduler, "on_fresh_thread", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    res = invoke(runner, ["serve", "--port", str(port)])
+    assert exits == [130] and res.exit_code == 130, res.output
+    assert "interrupted while loading the model" in res.output and "Traceback" not in res.output

@@ -487,7 +487,14 @@ def serve(
     from .scheduler import on_fresh_thread
 
     # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one left
-    sk = on_fresh_thread(load_model, model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
+    try:
+        sk = on_fresh_thread(load_model, model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
+    except KeyboardInterrupt:
+        # the loading thread may be inside torch's C++ code: leave at once, without the interpreter's
+        # shutdown (which, racing that thread, could end in a C++ abort instead of exit code 130)
+        err.print("interrupted while loading the model", markup=False)
+        err.file.flush()
+        os._exit(130)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     import uvicorn
 
