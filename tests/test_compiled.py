@@ -27,6 +27,16 @@ def _run(sk, policy, new_tokens=8):
     return torch.stack([o.logits for o in outs]), torch.stack([o.tokens for o in outs])
 
 
+def assert_equal_runs(eager, compiled, run=_run, horizon=6, atol=1e-5):
+    """``compiled`` gives ``eager``'s greedy tokens and its logits to ``atol``, at full depth and
+    under a 2x policy over ``horizon`` tokens (``run(sk, policy) -> (logits, tokens)``)."""
+    for policy in (None, eager.policy_for(speedup=2.0, horizon=horizon)):
+        le, te = run(eager, policy)
+        lc, tc = run(compiled, policy)
+        assert torch.equal(te, tc)
+        assert (le - lc).abs().max().item() <= atol
+
+
 def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5, weight_left=False):
     """Compiled (``backend``) against eager, logits to ``atol`` and tokens equal; with
     ``weight_left`` the compiled model's linears compute as :func:`skipdecode.load` makes them
@@ -43,11 +53,7 @@ def _check_equal(family, tokenizer, backend, quantize=None, atol=1e-5, weight_le
     assert report.enabled and report.error == ""
     warm_up(compiled, report, (2,))
     assert report.compile_seconds > 0 and report.warmed_batch_sizes == [2]
-    for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
-        le, te = _run(eager, policy)
-        lc, tc = _run(compiled, policy)
-        assert torch.equal(te, tc)
-        assert (le - lc).abs().max().item() <= atol
+    assert_equal_runs(eager, compiled, atol=atol)
     assert report.enabled, report.error  # no silent fallback happened
     return report
 
@@ -124,11 +130,7 @@ def _kernels_equal(family, tokenizer, quantize):
     compiled = SkipModel(quantize_model(make_model(family), quantize), tokenizer)
     report = warm_up(compiled, compile_adapter(compiled.adapter, mode="kernels"), (2,))
     assert report.enabled and report.mode == "kernels", report.error
-    for policy in (None, eager.policy_for(speedup=2.0, horizon=6)):
-        le, te = _run(eager, policy)
-        lc, tc = _run(compiled, policy)
-        assert torch.equal(te, tc)
-        assert (le - lc).abs().max().item() <= 1e-5
+    assert_equal_runs(eager, compiled)
     assert report.enabled, report.error
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_model
+from test_compiled import assert_equal_runs
 from skipdecode import onednn
 from skipdecode.compiled import compile_adapter, warm_up
 from skipdecode.generate import encode_prompts, generate_step
@@ -126,9 +127,5 @@ def test_compiled_batch_with_packed_weights_equals_eager(family, tokenizer):
     assert report.onednn_layers == sum(type(m) is WeightLeftLinear for m in fast.model.modules())
     assert report.onednn_layers > 0 and onednn.packed_nbytes(fast.model) > 0
     warm_up(fast, report, (4,))
-    for policy in (None, eager.policy_for(speedup=2.0, horizon=5)):
-        le, te = _run(eager, policy)
-        lc, tc = _run(fast, policy)
-        assert torch.equal(te, tc)
-        assert (le - lc).abs().max().item() <= 1e-5
+    assert_equal_runs(eager, fast, run=_run, horizon=5)
     assert report.enabled, report.error
