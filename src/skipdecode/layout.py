@@ -12,7 +12,7 @@ operations per call). Inside a compiled decode step (``torch.compile``, :mod:`sk
 one row is instead a multiply and a sum over the input features, which inductor fuses into one
 vectorised reduction loop over the weight split across threads: on the 2-core AMD EPYC host of
 stop 37 MKL's one- and two-row products stream the weights at about 10-15 GB/s on one thread, the
-reduction at 24-42 GB/s, and the compiled full-depth batch-1 step falls from 40 to 25 ms
+reduction at 24-42 GB/s, and the compiled full-depth batch-1 step falls from 40 to 21-25 ms
 (``benchmarks/results/decode_speed_float32_stop37.json``). It is inductor's own ``decompose_mm_pass``
 idea for CPU (``torch/_inductor/fx_passes/decompose_mem_bound_mm.py``) without its 2048-feature
 limit, which leaves out the LM head. Eagerly the sum would materialise the (out, in) product, so
