@@ -80,11 +80,10 @@ def _packed_for(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of ``weight`` (repacked first if its layer's weight changed in place), or
     None when no enabled layer owns a weight at this address and shape."""
     layer = _OWNERS.get(weight.data_ptr())
-    if layer is None or getattr(layer, "_onednn_packed", None) is None or layer.weight.data_ptr() != weight.data_ptr():
+    held = None if layer is None else layer._onednn_packed
+    if held is None or layer.weight.data_ptr() != weight.data_ptr() or layer.weight.shape != weight.shape:
         return None
-    if tuple(layer.weight.shape) != tuple(weight.shape):
-        return None
-    stamp, packed = layer._onednn_packed
+    stamp, packed = held
     if stamp != _stamp(layer.weight):
         _pack(layer)
         packed = layer._onednn_packed[1]

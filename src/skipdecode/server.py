@@ -133,7 +133,10 @@ def create_app(
     prompts that share a prefix with recent ones prefill only the rest; each response's
     ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens. The app's
     ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included).
-
+    On a CPU, load ``model`` through :func:`~skipdecode.scheduler.on_fresh_thread` (as ``skipdecode
+    serve`` does): a model loaded on the thread that keeps running leaves a second OpenMP team
+    beside the scheduler's, and every decode step pays for it (stop 37: 16-row steps 79-83 against
+    61-64 ms on 2 cores).
 
     Every error answers OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``:
     bad request values (a bad policy, an empty prompt, a prompt longer than the context, a schema
