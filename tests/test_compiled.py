@@ -304,6 +304,13 @@ def test_decode_write_targets():
     assert cache.lengths == [4, 0]
     assert cache.decode_write(1, rows=2) is None  # no buffer yet: the eager write
     assert cache.decode_write(0, rows=1) is None  # another batch size
+    # a prefill of 5 tokens into an empty layer: buffers made from the (1, H_kv, 1, D) geometry
+    like = (torch.zeros(1, 1, 1, 4, dtype=torch.float64), torch.zeros(1, 1, 1, 4, dtype=torch.float64))
+    write = cache.decode_write(1, rows=2, new_tokens=5, like=like)
+    assert write.keys.shape == (2, 1, 5, 4) and write.keys.dtype == torch.float64 and write.key_length == 5
+    assert cache.lengths == [4, 0]
+    assert cache.decode_write(0, rows=2, new_tokens=9).key_length == 13  # after 4 cached: grown to hold 13
+    assert cache.keys[0].shape[2] >= 13 and torch.equal(cache.keys[0][:, :, :3], kv)
 
     slots = SlotCache(num_layers=1, num_slots=4, capacity=4)
     prefill = SkipCache(num_layers=1)
@@ -319,3 +326,78 @@ def test_decode_write_targets():
     assert slots.lengths[0].tolist() == [2, 2, 2, 2]
     view.commit_decode_write(0, write)
     assert slots.lengths[0].tolist() == [2, 3, 3, 2]
+
+
+def _prefill_engine(adapter):
+    """Rows joining in groups of 1, 3 and 2, their prompts sharing a 12-token prefix (the second
+    and third groups prefill after the stored prefix), greedy, full depth; returns each row's
+    tokens and first logits (the prefill's)."""
+    from skipdecode.engine import Engine, Request
+
+    engine = Engine(adapter, max_batch_size=4, keep_logits=True)
+    shared = list(range(5, 17))
+    out = []
+    for group in ([[20, 21]], [[22], [23, 24, 25], [26, 27]], [[28, 29, 30, 31], [32]]):
+        reqs = [Request(shared + tail, max_new_tokens=3) for tail in group]
+        first, rows = {}, {}
+        for r in reqs:
+            engine.submit(r)
+        while engine.busy:
+            for ev in engine.step():
+                first.setdefault(id(ev.row.request), ev.logits)
+                rows[id(ev.row.request)] = ev.row
+        out += [(list(rows[id(r)].tokens), first[id(r)]) for r in reqs]
+    return engine, out
+
+
+def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
+    """Prefills run compiled (skipdecode.compiled._prefill_layer: the cache write in the graph,
+    prompt length, key length, batch and capacity symbolic): after the warm-up, prefills of 1 to 3
+    rows with new lengths, after a stored prefix or not, compile no new graph, and every row's
+    first logits (the prefill's) and tokens equal the eager engine's (1e-5, float32)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from skipdecode import compiled as C
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = SkipModel(make_model("llama", num_layers=6), tokenizer)
+    sk = SkipModel(make_model("llama", num_layers=6), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    assert report.prefill and len(_debug_get_cache_entry_list(C._prefill_layer)) > 0
+    after_warm = counters["stats"]["unique_graphs"]
+    _, want = _prefill_engine(eager.adapter)
+    engine, got = _prefill_engine(sk.adapter)
+    assert counters["stats"]["unique_graphs"] == after_warm
+    assert engine.prefix_cache.stats()["cached_prompt_tokens"] > 0  # some prefills ran after a stored prefix
+    assert report.enabled and report.prefill and report.prefill_error == ""
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks
+        assert (logits - want_logits).abs().max().item() <= 1e-5
+
+
+def test_prefill_compile_failure_keeps_the_decode_steps_compiled(tokenizer):
+    """A backend that fails on prefill graphs (a 3-d input with more than one position) turns
+    compiled prefill off, says why, reruns that call eagerly, and leaves the decode steps
+    compiled; the answers equal eager's (1e-5: the decode steps are compiled)."""
+
+    def prefill_fails(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.ndim == 3 and value.shape[1] != 1:
+                raise RuntimeError("no prefill kernels here")
+        return gm.forward
+
+    torch._dynamo.reset()
+    ref_logits, ref_tokens = _run(SkipModel(make_model("llama"), tokenizer), None)
+    sk = SkipModel(make_model("llama"), tokenizer)
+    report = compile_adapter(sk.adapter, backend=prefill_fails)
+    _run(sk, None)  # the first prefill runs eagerly and teaches each layer's K/V geometry
+    assert report.prefill
+    logits, tokens = _run(sk, None)  # the second compiles its prefill, and fails
+    assert report.enabled and report.error == ""
+    assert not report.prefill and "no prefill kernels here" in report.prefill_error
+    assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max().item() <= 1e-5
+    logits2, _ = _run(sk, None)  # the failed call left no stray cache length behind
+    assert (logits2 - ref_logits).abs().max().item() <= 1e-5

@@ -133,22 +133,29 @@ class SkipCache:
         ignored and overwritten by the next write)."""
         self.lengths[:] = snapshot
 
-    def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
-        """Where a compiled decode step writes its one new token in layer ``layer_idx``
-        (:mod:`skipdecode.compiled`): the layer's buffers, grown first if full, and the key
-        length after the write. None when the layer has no buffers yet or they hold another
-        batch size than ``rows`` (the caller then writes through :meth:`update`). Call
-        :meth:`commit_decode_write` once the write has run."""
+    def decode_write(self, layer_idx: int, rows: int, new_tokens: int = 1,
+                     like: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DecodeWrite | None":
+        """Where a compiled layer call writes its ``new_tokens`` new positions (a decode step: 1;
+        a prefill: the prompt's tokens) in layer ``layer_idx`` (:mod:`skipdecode.compiled`): the
+        layer's buffers, grown first if full, and the key length after the write (the call
+        writes positions ``key_length - new_tokens`` to ``key_length``). A layer without buffers
+        gets them from ``like``, a (key, value) pair of (1, H_kv, 1, D) tensors giving their
+        geometry, dtype and device. None when the layer has no buffers and no ``like``, or its
+        buffers hold another batch size than ``rows`` (the caller then writes through
+        :meth:`update`). Call :meth:`commit_decode_write` once the write has run."""
         k_buf = self.keys[layer_idx]
-        if k_buf is None or k_buf.shape[0] != rows:
+        end = self.lengths[layer_idx] + new_tokens
+        if k_buf is None and like is not None:
+            k_like, v_like = (t.expand(rows, -1, -1, -1) for t in like)
+            self._grow(layer_idx, k_like, v_like, max(end, self.capacity))
+        elif k_buf is None or k_buf.shape[0] != rows:
             return None
-        end = self.lengths[layer_idx] + 1
-        if end > k_buf.shape[-2]:
+        elif end > k_buf.shape[-2]:
             self._grow(layer_idx, k_buf[:, :, :1], self.values[layer_idx][:, :, :1], end)
         return DecodeWrite(self.keys[layer_idx], self.values[layer_idx], end)
 
     def commit_decode_write(self, layer_idx: int, write: "DecodeWrite") -> None:
-        """Record the token a :meth:`decode_write` target received: the layer's length becomes
+        """Record the tokens a :meth:`decode_write` target received: the layer's length becomes
         ``write.key_length``."""
         self.lengths[layer_idx] = write.key_length
 

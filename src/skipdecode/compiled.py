@@ -2,23 +2,30 @@
 
 What is compiled: :func:`skipdecode.adapters.base.call_layer`, the one function through which
 THE layer loop (:mod:`skipdecode.forward`) runs a stock decoder layer, for decode steps only (one
-new token per row; the prefill's layers stay eager), and the adapter's ``head`` (final norm and LM
-head) for one position per row. The layer module is an argument of the compiled
+new token per row) and for prefills (several new tokens per row, no gradient:
+:func:`_prefill_layer`), and the adapter's ``head`` (final norm and LM head) for one position per
+row. The layer module is an argument of the compiled
 function, so all layers of a model share its compiled code. The KV-cache write is traced into
 the layer's graph (:class:`_TracedWrite`): the cache hands over the layer's preallocated buffers
 and the key length after the write (``decode_write``), the graph writes each row's new token in
 place and attends to the first ``key_length`` positions, and the cache's per-layer (or per-slot)
 lengths are bumped outside, after the call (``commit_decode_write``). So each layer call is one
 compiled region without a graph break, and a growing cache changes no graph's code (key length
-and buffer capacity are symbolic). A cache without ``decode_write`` gets the former path: its
-``update`` runs eagerly between two compiled regions (a graph break).
+and buffer capacity are symbolic). A prefill writes its T positions the same way into a
+:class:`~skipdecode.cache.SkipCache` (its first prefill per layer runs eagerly and teaches the
+layer's K/V geometry), with batch, T, key length and capacity symbolic from its first compile.
+A cache without ``decode_write`` gets the former path: its ``update`` runs eagerly between two
+compiled regions (a graph break).
 
 Variants are bounded and do not grow with the policy or the layer count: one graph per cache
 layout (a static batch, or slots gathered from a :class:`~skipdecode.cache.SlotCache`), per state of a decode-only adapter's
 switch (base weights, adapter, rows of both) and per batch size until it becomes symbolic (1 is
 always its own); layer indices are not specialised, and batch size, key length and buffer
-capacity are symbolic after their second value (dynamo's automatic dynamic shapes). The number of
-recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
+capacity are symbolic after their second value (dynamo's automatic dynamic shapes). The
+prefill's variants: a batch of one or more rows, an empty cache, a stored prefix or a static
+batch's (whose capacity exceeds its key length); a weight-only quantized linear takes its eager
+kernel there at any row count (its fused loop is for decode steps), so no row count makes a
+variant. The number of recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
 With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
 loop (the fast int8/int4 path).
 
@@ -35,8 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config  # use_duck_shape (compiled prefill)
 
 from .adapters.base import Adapter, call_layer
+from .cache import SkipCache
 
 __all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
 
@@ -56,6 +65,10 @@ class CompileReport:
         error: why compilation is unavailable, one line ("" when enabled).
         onednn_layers: float32 linears whose products of 3 or more rows use oneDNN's packed
             weights (:mod:`skipdecode.onednn`; mode "layers" only).
+        prefill: mode "layers": prefill layer calls (several new tokens per row, no gradient)
+            run compiled too; False once a prefill compile failed (the decode steps stay
+            compiled; ``prefill_error`` says why).
+        prefill_error: why compiled prefill was turned off, one line ("" while it runs).
     """
 
     enabled: bool
@@ -65,6 +78,8 @@ class CompileReport:
     warmed_batch_sizes: list[int] = field(default_factory=list)
     error: str = ""
     onednn_layers: int = 0
+    prefill: bool = False
+    prefill_error: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable copy."""
@@ -107,11 +122,13 @@ class _TracedWrite:
         self.slots, self.positions = slots, positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """Write (B, H_kv, 1, D) keys/values; return (B, H_kv, K, D) keys/values so far."""
+        """Write (B, H_kv, T, D) keys/values (T = 1 with ``slots``; a prefill writes its T
+        positions ``K - T`` to ``K``); return (B, H_kv, K, D) keys/values so far."""
         K = self.key_length
         if self.positions is None:
-            self.keys.narrow(2, K - 1, 1).copy_(key_states)
-            self.values.narrow(2, K - 1, 1).copy_(value_states)
+            T = key_states.shape[2]
+            self.keys.narrow(2, K - T, T).copy_(key_states)
+            self.values.narrow(2, K - T, T).copy_(value_states)
             return self.keys[:, :, :K], self.values[:, :, :K]
         self.keys[self.slots, :, self.positions] = key_states[:, :, 0]
         self.values[self.slots, :, self.positions] = value_states[:, :, 0]
@@ -121,6 +138,16 @@ class _TracedWrite:
 def _decode_layer(layer, hidden, attention_mask, keys, values, key_length, slots, positions, cache_kw, extra):
     """:func:`call_layer` for one decode step with the cache write traced (:class:`_TracedWrite`)."""
     cache = _TracedWrite(keys, values, key_length, slots, positions)
+    return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+
+
+def _prefill_layer(layer, hidden, attention_mask, keys, values, cache_kw, extra):
+    """:func:`call_layer` for a prefill with the cache write traced: :func:`_decode_layer`'s
+    twin, a function of its own so that its compiled variants (symbolic prompt length) sit in a
+    cache of their own and a decode step's lookup never walks them. The key length after the
+    write is the mask's last size, (B, 1, T, K), a symbolic size where a passed integer would be
+    specialised on its first value."""
+    cache = _TracedWrite(keys, values, attention_mask.shape[-1], None, None)
     return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
 
 
@@ -201,6 +228,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     traced = torch.compile(_decode_layer, backend=backend, dynamic=None)
+    traced_prefill = torch.compile(_prefill_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
     index_of = _layer_indices(adapter)
@@ -210,12 +238,18 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
     )
 
+    # prefill shapes: a prompt length equal to the key length gets no shared symbol (duck sizing),
+    # so the first prefill after a stored prefix (key length > prompt length) compiles nothing new
+    prefill_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+        if hidden.shape[1] > 1:
+            return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
         layer_idx = index_of.get(id(layer))
         write = None
         if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
@@ -242,6 +276,41 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 cache.restore_lengths(lengths)
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
 
+    kv_like: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (1, H_kv, 1, D) K/V geometry
+
+    def run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra):
+        """A prefill layer call (T > 1 new tokens per row into a :class:`SkipCache`, no
+        gradient), compiled like a decode step with the cache write in its graph, the batch, T,
+        the key length and the buffers' capacity symbolic from the start
+        (:func:`_mark_prefill_dynamic`). A layer whose K/V geometry is not known yet (its first
+        prefill) runs eagerly once and teaches it. A failure turns compiled prefill off for good
+        and reruns the call eagerly; the decode steps stay compiled."""
+        layer_idx = index_of.get(id(layer))
+        if not report.prefill or layer_idx is None or not isinstance(cache, SkipCache) or torch.is_grad_enabled():
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+        write = cache.decode_write(layer_idx, hidden.shape[0], hidden.shape[1], kv_like.get(layer_idx))
+        if write is None or write.key_length != attention_mask.shape[-1]:
+            # no geometry yet, buffers of another batch, or a mask that is not the cache's: eager
+            out = call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+            if cache.keys[layer_idx] is not None:
+                kv_like[layer_idx] = (cache.keys[layer_idx][:1, :, :1].clone(), cache.values[layer_idx][:1, :, :1].clone())
+            return out
+        extra = {k: _canonical(v) for k, v in extra.items()}
+        _mark_prefill_dynamic(hidden, attention_mask, extra)
+        for buf in (write.keys, write.values):
+            torch._dynamo.maybe_mark_dynamic(buf, 0)
+            torch._dynamo.maybe_mark_dynamic(buf, 2)
+        try:
+            with limits, prefill_shapes:
+                out = traced_prefill(layer, hidden, attention_mask, write.keys, write.values, cache_kw, extra)
+        except Exception as exc:  # the lengths were not bumped: the eager call writes the same positions
+            report.prefill = False
+            report.prefill_error = _one_line(exc)
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+        cache.commit_decode_write(layer_idx, write)
+        return out
+
+    report.prefill = True
     adapter.compiled_layer_call = run
     _compile_head(adapter, backend, report)
     if onednn:
@@ -249,6 +318,42 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
 
         report.onednn_layers = _onednn.enable(adapter.model)
     return report
+
+
+def _canonical(value: Any) -> Any:
+    """A layer extra (tensor, or tuple/list of them) with row-major strides. ``contiguous()``
+    keeps the stride of a size-1 dimension (a batch of one sliced from a wider tensor), and
+    dynamo guards on it: a copy makes every call's strides the same."""
+    if isinstance(value, torch.Tensor):
+        return value if value.stride() == torch.empty(value.shape, device="meta").stride() else value.clone(
+            memory_format=torch.contiguous_format)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_canonical(v) for v in value)
+    return value
+
+
+def _mark_prefill_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict) -> None:
+    """Mark the prefill's varying sizes symbolic before the first compile, so that a new prompt
+    length, key length or batch compiles nothing: the batch B (dimension 0 of every input, when
+    B > 1; a batch of one keeps its own graph), the new tokens T (``hidden`` (B, T, C), dimension
+    1 of every extra of T positions such as position ids (B, T) and rotary tables (B, T, D)) and
+    the key length K (``attention_mask`` (B, 1, T, K))."""
+    B, T = hidden.shape[:2]
+
+    def mark(t: torch.Tensor, dims: list[int]) -> None:
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+
+    batch = [0] if B > 1 else []
+    mark(hidden, batch + [1])
+    mark(attention_mask, batch + [2, 3])
+    stack = list(extra.values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == T:
+            mark(v, (batch if v.shape[0] == B else []) + [1])
 
 
 def _layer_indices(adapter: Adapter) -> dict[int, int]:
@@ -304,7 +409,8 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
     then a second joining two steps later; then three rows in consecutive slots mixing full depth
     and the skipping policy, whose middle one ends early so that the others run in slots that are
     not consecutive (keys gathered from the buffer) with full-depth and skipping rows mixed, alone
-    and together."""
+    and together. On the way the prefills' variants compile: one row and several, from an empty
+    cache and after a stored prefix."""
     from .engine import Engine, Request
 
     policy = _warm_policy(sk)
@@ -317,10 +423,17 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
     engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=lead + new_tokens, policy=policy))
     while engine.busy:
         engine.step()
-    for plans in ((None, policy, policy), (policy, None, None)):
-        engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)
-        for i, plan in enumerate(plans):
-            engine.submit(Request(list(ids), max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
+    engine = Engine(sk.adapter, max_batch_size=3)  # prefills after a stored prefix, of one row and of two
+    base = list(ids) * 3
+    for group in ([base + list(ids[:1])], [base + list(ids[:2])], [base + list(ids[:3]), base + list(ids[:2])]):
+        for prompt in group:
+            engine.submit(Request(prompt, max_new_tokens=2, policy=None))
+        while engine.busy:
+            engine.step()
+    for prompt, plans in ((list(ids), (None, policy, policy)), (list(ids) * 2, (policy, None, None))):
+        engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)  # (two prompt lengths: the
+        for i, plan in enumerate(plans):  # prefill of several rows compiles with a symbolic length)
+            engine.submit(Request(prompt, max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
         while engine.busy:
             engine.step()
 
@@ -328,7 +441,7 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
 def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
     """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
 
-    Per batch size, one generation runs the prefill (eager) and ``new_tokens - 1`` decode steps
+    Per batch size, one generation runs the prefill and ``new_tokens - 1`` decode steps
     at full depth (every layer, so every layer's variant is compiled) with two different key
     lengths, which is what makes key length symbolic, and one runs the model's skipping policy
     past its full-depth first steps (:func:`_warm_policy`); then in-flight rows of different ages,

@@ -133,8 +133,9 @@ class _QuantLinear(nn.Module):
         """``x`` (..., K) float -> (..., N), as the float layer would compute it from ``W'``."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling() and x2.shape[0] <= FUSED_MAX_ROWS:
-            y = self._fused(x2)  # inside a compiled layer: inductor fuses it
+        one_position = x.ndim < 3 or shape[-2] == 1  # a decode step; a compiled prefill's T is symbolic >= 2,
+        if torch.compiler.is_compiling() and one_position and x2.shape[0] <= FUSED_MAX_ROWS:  # so no guard on its rows
+            y = self._fused(x2)  # inside a compiled decode step: inductor fuses it
         elif self.compiled_kernel and x.ndim == 3 and shape[1] == 1 and x2.shape[0] <= FUSED_MAX_ROWS:
             y = _run_compiled_kernel(self, x2)  # a decode step: one token per row
         else:

@@ -150,7 +150,9 @@ class Adapter:
         """
         kwargs = dict(extra)
         call = call_layer
-        if self.compiled_layer_call is not None and hidden.shape[1] == 1:
+        if self.compiled_layer_call is not None and (
+            hidden.shape[1] == 1 or (cache is not None and not torch.is_grad_enabled())
+        ):  # decode steps, and prefills (:mod:`skipdecode.compiled`); never training
             call = self.compiled_layer_call
         return call(self.layers[layer_idx], hidden, attention_mask, cache, self._cache_kw, kwargs)
 
