@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_load import cell_prompts, prompts, report  # noqa: E402  (the same prompts as the server's cells)
+from server_load import cell_prompts, median_of, prompts, report  # noqa: E402  (the same prompts as the server's cells)
 from skipdecode.quantize import QUANTIZE_MODES  # noqa: E402
 
 
@@ -59,6 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize", default=None, choices=list(QUANTIZE_MODES),
                    help="skipdecode.load(quantize=) (default: float32 weights)")
     p.add_argument("--compile", action="store_true", help="skipdecode.load(compile=True); compiles before timing")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the cells this many times, alternating their order (1,2 then 2,1, ...); the "
+                        "ratios are the medians of each run's (step times drift between runs on a shared host)")
     p.add_argument("--name", default="engine_load", help="results base name under --out")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -68,7 +71,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--speedups takes comma-separated numbers, got {args.speedups!r}")
     for option, value, low in (("--clients", args.clients, 1), ("--requests-per-client", args.requests_per_client, 1),
                                ("--max-tokens", args.max_tokens, 1), ("--max-batch-size", args.max_batch_size, 1),
-                               ("--align-steps", args.align_steps, 0), ("--threads", args.threads, 1)):
+                               ("--align-steps", args.align_steps, 0), ("--threads", args.threads, 1),
+                               ("--repeats", args.repeats, 1)):
         if value is not None and value < low:
             p.error(f"{option} must be >= {low}, got {value}")
     if 1.0 not in args.speedups:
@@ -134,30 +138,35 @@ def run_cell(sk, texts: list[str], args: argparse.Namespace, speedup: float) -> 
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per speedup: requests/s over full depth's, and the Amdahl ceiling from full depth's own
-    prefill and decode seconds with this policy's theoretical decode speedup."""
-    full = next(r for r in rows if r["speedup"] == 1.0)
+    """Per speedup: requests/s over full depth's, the decode-step speedup and the Amdahl ceiling
+    from full depth's own prefill and decode seconds with this policy's theoretical decode
+    speedup, each the median over the repeats (rows carry ``repeat``; one run: its values), with
+    each run's requests/s ratio in ``runs``."""
     out = []
-    for r in rows:
-        if r["speedup"] == 1.0:
-            continue
-        theo = r["theoretical_speedup"]
-        ceiling = ((full["prefill_s"] + full["decode_s"]) / (full["prefill_s"] + full["decode_s"] / theo)
-                   if theo else None)
-        out.append({"speedup": r["speedup"], "requests_per_second_ratio": r["requests_per_second"] / full["requests_per_second"],
-                    "decode_speedup": full["decode_s"] / r["decode_s"] if r["decode_s"] else None,
-                    "theoretical_speedup": theo, "ceiling_at_theoretical_decode": ceiling})
+    for speedup in dict.fromkeys(r["speedup"] for r in rows if r["speedup"] != 1.0):
+        runs = []
+        for rep in sorted({r.get("repeat", 0) for r in rows}):
+            full = next(r for r in rows if r["speedup"] == 1.0 and r.get("repeat", 0) == rep)
+            r = next(x for x in rows if x["speedup"] == speedup and x.get("repeat", 0) == rep)
+            theo = r["theoretical_speedup"]
+            ceiling = ((full["prefill_s"] + full["decode_s"]) / (full["prefill_s"] + full["decode_s"] / theo)
+                       if theo else None)
+            runs.append({"requests_per_second_ratio": r["requests_per_second"] / full["requests_per_second"],
+                         "decode_speedup": full["decode_s"] / r["decode_s"] if r["decode_s"] else None,
+                         "theoretical_speedup": theo, "ceiling_at_theoretical_decode": ceiling})
+        out.append({"speedup": speedup, **{k: median_of(runs, k) for k in runs[0]},
+                    "runs": [x["requests_per_second_ratio"] for x in runs]})
     return out
 
 
 def table(rows: list[dict]) -> str:
     """Markdown table of the rows."""
-    lines = ["| speedup | req/s | tok/s | prefill s | decode s | engine steps | rows/step | theor. | prompt tokens cached / computed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | speedup | req/s | tok/s | prefill s | decode s | engine steps | rows/step | theor. | prompt tokens cached / computed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rows_step = f"{r['mean_rows_per_decode_step']:.1f}" if r["mean_rows_per_decode_step"] else ""
         theo = f"{r['theoretical_speedup']:.2f}x" if r["theoretical_speedup"] else ""
-        lines.append(f"| {r['speedup']:g}x | {r['requests_per_second']:.2f} | {r['tokens_per_second']:.1f} | "
+        lines.append(f"| {r.get('repeat', 0) + 1} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | {r['tokens_per_second']:.1f} | "
                      f"{r['prefill_s']:.1f} | {r['decode_s']:.1f} | {r['engine_steps']} | {rows_step} | {theo} | "
                      f"{r['cached_prompt_tokens']} / {r['computed_prompt_tokens']} |")
     return "\n".join(lines)
@@ -171,11 +180,13 @@ def plot(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    names = [f"{r['speedup']:g}x\n{r['requests_per_second']:.2f} req/s" for r in rows]
+    many = len({r.get("repeat", 0) for r in rows}) > 1
+    names = [f"{r['speedup']:g}x" + (f" run {r.get('repeat', 0) + 1}" if many else "")
+             + f"\n{r['requests_per_second']:.2f} req/s" for r in rows]
     prefill = [r["prefill_s"] for r in rows]
     decode = [r["decode_s"] for r in rows]
     rest = [max(0.0, r["seconds"] - p - d) for r, p, d in zip(rows, prefill, decode)]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.4 * len(rows)), 4))
     ax.bar(names, prefill, label="prefill (full depth)")
     ax.bar(names, decode, bottom=prefill, label="decode steps")
     ax.bar(names, rest, bottom=[p + d for p, d in zip(prefill, decode)], label="other")
@@ -197,7 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     sk = load(args.model, adapter=bool(args.adapter) and args.model is None, quantize=args.quantize,
               compile=args.compile)
     texts = prompts()
-    rows = [run_cell(sk, texts, args, s) for s in args.speedups]
+    rows = []
+    for rep in range(args.repeats):  # alternate the order, so that a drift favours no policy
+        for s in (args.speedups if rep % 2 == 0 else args.speedups[::-1]):
+            rows.append({**run_cell(sk, texts, args, s), "repeat": rep})
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     result = {
@@ -205,11 +219,13 @@ def main(argv: list[str] | None = None) -> dict:
         "adapter": bool(args.adapter and not args.model), "chat": args.chat, "clients": args.clients,
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "quantize": args.quantize,
         "compile": args.compile, "max_batch_size": args.max_batch_size, "align_steps": args.align_steps,
-        "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios(rows),
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows, "ratios": ratios(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
-    summary = [f"{r['speedup']:g}x / full: {r['requests_per_second_ratio']:.2f}x requests/s; decode "
+    summary = [f"{r['speedup']:g}x / full: {r['requests_per_second_ratio']:.2f}x requests/s"
+               + (f" (median of {len(r['runs'])} runs: " + ", ".join(f"{x:.2f}" for x in r["runs"]) + ")"
+                  if len(r["runs"]) > 1 else "") + "; decode "
                f"{r['decode_speedup'] or float('nan'):.2f}x of theoretical {r['theoretical_speedup'] or float('nan'):.2f}x; "
                f"ceiling {r['ceiling_at_theoretical_decode'] or float('nan'):.2f}x" for r in result["ratios"]]
     report(result, path, plot, table(rows), summary, summary_file=sys.stderr)

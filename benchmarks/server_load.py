@@ -96,6 +96,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="`skipdecode serve --quantize` (None: float32 weights)")
     p.add_argument("--compile", action="store_true",
                    help="`skipdecode serve --compile` (the server compiles before it answers /health)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each client count's cells this many times, alternating the speedups' order "
+                        "(1,2 then 2,1, ...), each on a fresh server; pairs and targets take the median of "
+                        "each run's ratio (step times drift between runs on a shared host)")
     p.add_argument("--name", default="server_load", help="results base name under --out")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
@@ -113,7 +117,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                all(math.isfinite(x) and x >= 1 for x in args.speedups)),
               ("--max-tokens", args.max_tokens, ">= 1", args.max_tokens >= 1),
               ("--requests-per-client", args.requests_per_client, ">= 1", args.requests_per_client >= 1),
-              ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1)]
+              ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1),
+              ("--repeats", args.repeats, ">= 1", args.repeats >= 1)]
     for option, value, allowed, ok in checks:
         if not ok:
             p.error(f"{option} must be {allowed}, got {value}")
@@ -287,17 +292,28 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| mode | clients | speedup | req/s | tok/s | tokens/req | p50 latency s | p95 latency s | "
+    head = ("| run | mode | clients | speedup | req/s | tok/s | tokens/req | p50 latency s | p95 latency s | "
             "p50 TTFT s | p95 TTFT s | step ms | theor. |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         per_req = r.get("tokens_per_request", r["completion_tokens"] / r["requests"])
         step = f"{r['step_ms']:.0f}" if r.get("step_ms") is not None else ""
         theo = f"{r['theoretical_speedup']:.2f}x" if r.get("theoretical_speedup") is not None else ""
-        lines.append(f"| {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
+        lines.append(f"| {r.get('repeat', 0) + 1} | {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
                      f"{r['tokens_per_second']:.1f} | {per_req:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
                      f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {step} | {theo} |")
     return "\n".join(lines)
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    """The median of ``run[key]`` over ``runs`` (None when any is None)."""
+    values = [x[key] for x in runs]
+    return None if any(v is None for v in values) else float(np.median(values))
+
+
+def _cell(rows: list[dict], mode: str, clients: int, speedup: float, repeat: int) -> dict | None:
+    return next((r for r in rows if r["mode"] == mode and r["clients"] == clients and r["speedup"] == speedup
+                 and r.get("repeat", 0) == repeat), None)
 
 
 def pairs(rows: list[dict]) -> list[dict]:
@@ -307,33 +323,41 @@ def pairs(rows: list[dict]) -> list[dict]:
     would give if its decode part (p50 latency - p50 TTFT) ran the theoretical speedup faster
     while its prefill (TTFT, full depth in both, METHOD.md) stayed: ``lat / (ttft + (lat - ttft) / theor.)``
     (Amdahl's law). Where the measured ratio is far below it, decode steps lose; where the ceiling
-    itself is low, the full-depth prefill dominates the request."""
+    itself is low, the full-depth prefill dominates the request. Each value is the median over the
+    repeats (rows carry ``repeat``; one run: its values), each run's ratio within its own run;
+    ``runs`` lists the runs' requests/s ratios."""
     out = []
     for clients in sorted({r["clients"] for r in rows}):
-        full = next((r for r in rows if r["mode"] == "inflight" and r["clients"] == clients and r["speedup"] == 1.0), None)
-        two = next((r for r in rows if r["mode"] == "inflight" and r["clients"] == clients and r["speedup"] == 2.0), None)
-        if full is None or two is None:
-            continue
-        theo, lat, ttft = two.get("theoretical_speedup"), full["latency_p50"], full["ttft_p50"]
-        out.append({
-            "clients": clients,
-            "requests_per_second_ratio": two["requests_per_second"] / full["requests_per_second"],
-            "step_speedup": full["step_ms"] / two["step_ms"] if full.get("step_ms") and two.get("step_ms") else None,
-            "theoretical_speedup": theo,
-            "ceiling_at_theoretical_steps": lat / (ttft + (lat - ttft) / theo) if theo else None,
-        })
+        runs = []
+        for rep in sorted({r.get("repeat", 0) for r in rows}):
+            full, two = _cell(rows, "inflight", clients, 1.0, rep), _cell(rows, "inflight", clients, 2.0, rep)
+            if full is None or two is None:
+                continue
+            theo, lat, ttft = two.get("theoretical_speedup"), full["latency_p50"], full["ttft_p50"]
+            runs.append({
+                "requests_per_second_ratio": two["requests_per_second"] / full["requests_per_second"],
+                "step_speedup": full["step_ms"] / two["step_ms"] if full.get("step_ms") and two.get("step_ms") else None,
+                "theoretical_speedup": theo,
+                "ceiling_at_theoretical_steps": lat / (ttft + (lat - ttft) / theo) if theo else None,
+            })
+        if runs:
+            out.append({"clients": clients, **{k: median_of(runs, k) for k in runs[0]},
+                        "runs": [x["requests_per_second_ratio"] for x in runs]})
     return out
 
 
 def targets(rows: list[dict]) -> dict:
-    """Issue 10's targets at 16 clients (None where a needed cell was not run)."""
+    """Issue 10's targets at 16 clients (None where a needed cell was not run): in flight over one
+    at a time at full depth (medians of the repeats' requests/s), and the 2x / full ratio (the
+    median of the repeats' ratios, :func:`pairs`)."""
     def rps(mode: str, speedup: float):
-        return next((r["requests_per_second"] for r in rows
-                     if r["mode"] == mode and r["clients"] == 16 and r["speedup"] == speedup), None)
+        values = [r["requests_per_second"] for r in rows
+                  if r["mode"] == mode and r["clients"] == 16 and r["speedup"] == speedup]
+        return float(np.median(values)) if values else None
 
-    full_in, full_serial, two_in = rps("inflight", 1.0), rps("serial", 1.0), rps("inflight", 2.0)
+    full_in, full_serial = rps("inflight", 1.0), rps("serial", 1.0)
     inflight_over_serial = full_in / full_serial if full_in and full_serial else None
-    two_over_full = two_in / full_in if two_in and full_in else None
+    two_over_full = next((p["requests_per_second_ratio"] for p in pairs(rows) if p["clients"] == 16), None)
     return {
         "inflight_over_serial_at_16": inflight_over_serial,
         "inflight_over_serial_target": 3.0,
@@ -353,13 +377,13 @@ def plot(result: dict, path: Path) -> Path:
 
     fig, (ax_rps, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
     keys = sorted({(r["mode"], r["speedup"]) for r in result["rows"]})
-    for mode, speedup in keys:
-        rows = sorted((r for r in result["rows"] if r["mode"] == mode and r["speedup"] == speedup),
-                      key=lambda r: r["clients"])
+    for mode, speedup in keys:  # one point per client count: the median over the repeats
+        rows = [r for r in result["rows"] if r["mode"] == mode and r["speedup"] == speedup]
+        clients = sorted({r["clients"] for r in rows})
         label = f"{'in flight' if mode == 'inflight' else 'one at a time'}, {speedup:g}x"
         style = "-o" if mode == "inflight" else "--s"
-        ax_rps.plot([r["clients"] for r in rows], [r["requests_per_second"] for r in rows], style, label=label)
-        ax_lat.plot([r["clients"] for r in rows], [r["latency_p50"] for r in rows], style, label=label)
+        for ax, key in ((ax_rps, "requests_per_second"), (ax_lat, "latency_p50")):
+            ax.plot(clients, [median_of([r for r in rows if r["clients"] == c], key) for c in clients], style, label=label)
     for ax, name in ((ax_rps, "requests/s"), (ax_lat, "p50 latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -408,8 +432,9 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes:
         offset = 0  # every mode the same prompts; the speedups of one client count the same ones too
         for clients in args.clients:
-            for speedup in args.speedups:
-                rows.append(run_cell(args, texts, mode, clients, speedup, offset))
+            for rep in range(args.repeats):  # alternate the order, so that a drift favours no policy
+                for speedup in (args.speedups if rep % 2 == 0 else args.speedups[::-1]):
+                    rows.append({**run_cell(args, texts, mode, clients, speedup, offset), "repeat": rep})
             offset += cell_size(clients, args.requests_per_client)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
@@ -418,11 +443,13 @@ def main(argv: list[str] | None = None) -> None:
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "max_batch_size": args.max_batch_size,
         "cohort_size": args.cohort_size, "align_steps": args.align_steps, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
-        "dtype": args.dtype, "quantize": args.quantize, "compile": args.compile, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
+        "dtype": args.dtype, "quantize": args.quantize, "compile": args.compile, "repeats": args.repeats, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),
     }
-    summary = [f"{p['clients']} clients: 2x/full {p['requests_per_second_ratio']:.2f}x requests/s; decode steps "
+    summary = [f"{p['clients']} clients: 2x/full {p['requests_per_second_ratio']:.2f}x requests/s"
+               + (f" (median of {len(p['runs'])} runs: " + ", ".join(f"{x:.2f}" for x in p["runs"]) + ")"
+                  if len(p["runs"]) > 1 else "") + "; decode steps "
                f"{p['step_speedup'] or float('nan'):.2f}x of theoretical {p['theoretical_speedup'] or float('nan'):.2f}x; "
                f"ceiling with theoretical steps {p['ceiling_at_theoretical_steps'] or float('nan'):.2f}x"
                for p in result["pairs"]]

@@ -5,6 +5,8 @@ loaded); ``server_load.py`` falls back to its built-in prompts. No model is load
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from test_recipe_study import load_script, write_e2e_csv
@@ -121,3 +123,30 @@ def test_server_load_pairs_the_speedups_of_a_client_count_on_the_same_prompts(mo
     assert len(set(queue) | set(warm)) == 64  # no repeat within a cell
     assert not (set(queue) | set(warm)) & set(script.cell_prompts(texts, 1, 0, 3)[0])  # client counts differ
     assert script.cell_prompts(["a", "b", "c"], 1, 2)[0][:2] == ["c", "a"]  # cyclic when texts run out
+
+
+def test_server_load_repeats_alternate_the_speedups_and_take_median_ratios(monkeypatch, tmp_path, capsys):
+    """--repeats 3: each client count's cells run 1,2 / 2,1 / 1,2 on the same prompts, the 2x/full
+    ratio is computed within each run and the pairs and targets take the median of the three."""
+    script = load_script("server_load")
+    monkeypatch.setattr(script, "prompts", lambda: [f"p{i}" for i in range(500)])
+    rps = iter([4.0, 5.6, 6.0, 3.0, 5.0, 7.0])  # runs: 5.6/4 = 1.4, 6/3 = 2.0, 7/5 = 1.4
+    calls = []
+
+    def fake_cell(args, texts_, mode, clients, speedup, offset):
+        calls.append((speedup, offset))
+        return {"mode": mode, "clients": clients, "speedup": speedup, "requests": 1, "requests_per_second": next(rps),
+                "tokens_per_second": 1.0, "completion_tokens": 1, "latency_p50": 1.0, "latency_p95": 1.0,
+                "ttft_p50": 0.1, "ttft_p95": 0.1}
+
+    monkeypatch.setattr(script, "run_cell", fake_cell)
+    monkeypatch.setattr(script, "plot", lambda result, path: path)
+    script.main(["--clients", "16", "--modes", "inflight", "--repeats", "3", "--out", str(tmp_path), "--name", "r"])
+    assert calls == [(1.0, 0), (2.0, 0), (2.0, 0), (1.0, 0), (1.0, 0), (2.0, 0)]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [r["repeat"] for r in result["rows"]] == [0, 0, 1, 1, 2, 2]
+    (pair,) = result["pairs"]
+    assert pair["runs"] == pytest.approx([1.4, 2.0, 1.4])
+    assert pair["requests_per_second_ratio"] == pytest.approx(1.4)  # the median, not the ratio of medians (6/4)
+    assert result["targets"]["two_x_over_full_at_16"] == pytest.approx(1.4)
+    assert "median of 3 runs: 1.40, 2.00, 1.40" in capsys.readouterr().out

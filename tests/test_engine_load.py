@@ -40,6 +40,29 @@ def test_engine_load_rows_ratios_and_outputs(saved, tmp_path, monkeypatch, capsy
     assert result["align_steps"] == 2 and result["command"].startswith("python benchmarks/engine_load.py")
 
 
+def test_engine_load_repeats_alternate_the_order_and_take_medians(saved, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--repeats 3: the cells run 1,2 / 2,1 / 1,2, each row says its run, and the ratio is the median
+    of the three runs' ratios (each computed within its own run), which are kept in ``runs``."""
+    import statistics
+
+    engine_load = load_script("engine_load")
+    monkeypatch.setattr(engine_load, "prompts", lambda: list(PROMPTS))
+    result = engine_load.main(["--model", str(saved), "--clients", "2", "--requests-per-client", "1",
+                               "--max-tokens", "2", "--speedups", "1,2", "--repeats", "3",
+                               "--out", str(tmp_path), "--name", "r"])
+    rows = result["rows"]
+    assert [(r["repeat"], r["speedup"]) for r in rows] == [(0, 1.0), (0, 2.0), (1, 2.0), (1, 1.0), (2, 1.0), (2, 2.0)]
+    (ratio,) = result["ratios"]
+    runs = [two["requests_per_second"] / full["requests_per_second"]
+            for full, two in ((rows[0], rows[1]), (rows[3], rows[2]), (rows[4], rows[5]))]
+    assert ratio["runs"] == pytest.approx(runs)
+    assert ratio["requests_per_second_ratio"] == pytest.approx(statistics.median(runs))
+    assert result["repeats"] == 3 and "median of 3 runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        engine_load.main(["--model", str(saved), "--repeats", "0"])
+    assert exit_info.value.code == 2
+
+
 def test_engine_load_ignore_eos_gives_every_request_max_tokens(tmp_path, monkeypatch, capsys, tokenizer):
     """--ignore-eos: on the chain model (its answer ends at EOS before --max-tokens) every timed
     request writes exactly --max-tokens tokens; without it, its answer and EOS."""
