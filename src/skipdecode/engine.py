@@ -426,8 +426,8 @@ class Engine:
         greedy = [i for i, r in enumerate(rows) if r.sampler.params.greedy]
         out = [0] * len(rows)
         if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            picked = rows[greedy[0]].sampler(logits.index_select(0, index)).tolist()
+            chosen = logits if len(greedy) == len(rows) else logits.index_select(0, torch.tensor(greedy, device=logits.device))
+            picked = rows[greedy[0]].sampler(chosen).tolist()
             for i, t in zip(greedy, picked):
                 out[i] = t
         for i, r in enumerate(rows):

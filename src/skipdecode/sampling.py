@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from .limits import SEED_MAX, SEED_MIN
+from .selection import argmax_last
 
 __all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
 
@@ -108,7 +109,7 @@ class Sampler:
                 picks whenever a row holds one).
         """
         if self.params.greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_last(logits)  # torch.argmax's answer, faster on the CPU (skipdecode.selection)
             # argmax picks a NaN whenever a row holds one, so checking the B chosen logits
             # is as strict as checking all B x V of them, and much cheaper.
             if torch.isnan(logits.gather(-1, tokens[:, None])).any():
