@@ -46,6 +46,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speedup", type=float, default=None, help="decode with for_speedup(s) instead of the checkpoint's policy")
     p.add_argument("--full-depth", action="store_true", help="decode at full depth instead of the checkpoint's policy")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--compile", action="store_true",
+                   help="the quantized model with load(compile=True) (its prefill and decode steps compiled)")
     p.add_argument("--output", default=str(RESULTS / "quant_quality.json"))
     return p.parse_args(argv)
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = DEFAULT_MODEL if args.ckpt == "stock" else args.ckpt
     try:
         float_model = load(ckpt)
-        quant_model = load(ckpt, quantize=args.quantize)
+        quant_model = load(ckpt, quantize=args.quantize, compile=args.compile)
     except LoadError as e:
         _fail(str(e))
     if args.full_depth:
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "checkpoint": args.ckpt,
         "quantize": args.quantize,
+        "compile": args.compile,
         "items": len(items),
         "policy": policy.to_dict(),
         **compare(ids_f, ids_q),
