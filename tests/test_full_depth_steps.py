@@ -171,3 +171,32 @@ def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(bas
         sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
     assert report.enabled, report.error
     assert counters["stats"]["unique_graphs"] == after_warm
+
+
+def test_warm_up_compiles_inflight_batches_mixing_base_and_adapter_rows(base_dir, decode_only_dir):  # noqa: F811
+    """In flight with the decode-only adapter (what `serve --compile` runs by default): after
+    :func:`warm_up`, batches of 4 and 5 rows of different ages and speedups, some on the base
+    weights (full depth, or the schedule's full-depth first steps) and some on the adapter in the
+    same step, compile nothing new (a server once recompiled mid-load on such a batch)."""
+    from torch._dynamo.utils import counters
+
+    from skipdecode.compiled import compile_adapter, warm_up
+    from skipdecode.engine import Engine, Request
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = load(str(base_dir), adapter=str(decode_only_dir))
+    sk.policy = WARM
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    engine = Engine(sk.adapter, max_batch_size=6)
+    ids = sk.tokenizer("name[The Eagle], eatType[coffee shop]")["input_ids"]
+    plans = [WARM, None, WARM, None, WARM]
+    for i, plan in enumerate(plans):  # a row joins every other step: ages and switch states mix
+        engine.submit(Request(list(ids[: 4 + i]), max_new_tokens=N_NEW + 2 * i, policy=plan))
+        engine.step()
+        engine.step()
+    while engine.busy:
+        engine.step()
+    assert report.enabled, report.error
+    assert counters["stats"]["unique_graphs"] == after_warm

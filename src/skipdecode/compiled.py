@@ -264,6 +264,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 for buf in (write.keys, write.values):  # slots and capacity vary: never specialise on them
                     torch._dynamo.maybe_mark_dynamic(buf, 0)
                     torch._dynamo.maybe_mark_dynamic(buf, 2)
+                _mark_dynamic(hidden, attention_mask, extra, [write.slots, write.positions], prefill=False)
                 out = traced(layer, hidden, attention_mask, write.keys, write.values, write.key_length,
                              write.slots, write.positions, cache_kw, extra)
                 cache.commit_decode_write(layer_idx, write)
@@ -282,7 +283,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         """A prefill layer call (T > 1 new tokens per row into a :class:`SkipCache`, no
         gradient), compiled like a decode step with the cache write in its graph, the batch, T,
         the key length and the buffers' capacity symbolic from the start
-        (:func:`_mark_prefill_dynamic`). A layer whose K/V geometry is not known yet (its first
+        (:func:`_mark_dynamic`). A layer whose K/V geometry is not known yet (its first
         prefill) runs eagerly once and teaches it. A failure turns compiled prefill off for good
         and reruns the call eagerly; the decode steps stay compiled."""
         layer_idx = index_of.get(id(layer))
@@ -296,7 +297,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 kv_like[layer_idx] = (cache.keys[layer_idx][:1, :, :1].clone(), cache.values[layer_idx][:1, :, :1].clone())
             return out
         extra = {k: _canonical(v) for k, v in extra.items()}
-        _mark_prefill_dynamic(hidden, attention_mask, extra)
+        _mark_dynamic(hidden, attention_mask, extra, [], prefill=True)
         for buf in (write.keys, write.values):
             torch._dynamo.maybe_mark_dynamic(buf, 0)
             torch._dynamo.maybe_mark_dynamic(buf, 2)
@@ -332,12 +333,14 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def _mark_prefill_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict) -> None:
-    """Mark the prefill's varying sizes symbolic before the first compile, so that a new prompt
-    length, key length or batch compiles nothing: the batch B (dimension 0 of every input, when
-    B > 1; a batch of one keeps its own graph), the new tokens T (``hidden`` (B, T, C), dimension
-    1 of every extra of T positions such as position ids (B, T) and rotary tables (B, T, D)) and
-    the key length K (``attention_mask`` (B, 1, T, K))."""
+def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict, rows: list,
+                  prefill: bool) -> None:
+    """Mark a layer call's varying sizes symbolic before its first compile, so that a new batch
+    size (or, in a prefill, prompt length or key length) compiles nothing: the batch B (dimension
+    0 of every input and of each (B,) tensor in ``rows``, such as a slot view's slots and
+    positions, when B > 1; a batch of one keeps its own graph) and, with ``prefill``, the new
+    tokens T (``hidden`` (B, T, C), dimension 1 of every extra of T positions such as position ids
+    (B, T) and rotary tables (B, T, D)) and the key length K (``attention_mask`` (B, 1, T, K))."""
     B, T = hidden.shape[:2]
 
     def mark(t: torch.Tensor, dims: list[int]) -> None:
@@ -345,15 +348,18 @@ def _mark_prefill_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, ex
             torch._dynamo.maybe_mark_dynamic(t, d)
 
     batch = [0] if B > 1 else []
-    mark(hidden, batch + [1])
-    mark(attention_mask, batch + [2, 3])
+    mark(hidden, batch + ([1] if prefill else []))
+    mark(attention_mask, batch + ([2, 3] if prefill else []))
+    for t in rows:
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == B:
+            mark(t, batch)
     stack = list(extra.values())
     while stack:
         v = stack.pop()
         if isinstance(v, (tuple, list)):
             stack.extend(v)
-        elif isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == T:
-            mark(v, (batch if v.shape[0] == B else []) + [1])
+        elif isinstance(v, torch.Tensor) and v.ndim >= 2:
+            mark(v, (batch if v.shape[0] == B else []) + ([1] if prefill and v.shape[1] == T else []))
 
 
 def _layer_indices(adapter: Adapter) -> dict[int, int]:

@@ -147,7 +147,11 @@ def base_prefill(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _marked_rows(switch: PrefillSwitch, rows: torch.Tensor) -> Iterator[None]:
-    """``switch.rows = rows`` inside the block, the previous marking restored on exit."""
+    """``switch.rows = rows`` inside the block, the previous marking restored on exit. The row
+    count is marked symbolic for ``torch.compile`` (:mod:`skipdecode.compiled`): compiled layer
+    calls then serve any batch of mixed rows with one graph."""
+    if rows.shape[0] > 1:
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
     saved, switch.rows = switch.rows, rows
     try:
         yield
