@@ -152,11 +152,10 @@ def test_compiled_layers_give_the_eager_tokens_with_full_depth_steps(base_dir, d
     assert report.enabled, report.error
 
 
-def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(base_dir, decode_only_dir):  # noqa: F811
-    """With a decode-only adapter and a schedule with full-depth first steps (the embedded
-    model's shipped 2x), static generations after :func:`warm_up` compile nothing new, past the
-    full-depth steps too (a user's `generate --speedup 2 --compile` once recompiled inside its
-    timed steps when the switch first flipped from the base weights to the adapter)."""
+def _warmed_decode_only(base_dir, decode_only_dir):
+    """The tiny model with its decode-only adapter and the ``WARM`` schedule, compiled (aot_eager)
+    and warmed up at batch 1 and 2 after a dynamo reset: ``(sk, report, graphs)``, ``graphs()``
+    the count of compiled graphs so far."""
     from torch._dynamo.utils import counters
 
     from skipdecode.compiled import compile_adapter, warm_up
@@ -166,11 +165,20 @@ def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(bas
     sk = load(str(base_dir), adapter=str(decode_only_dir))
     sk.policy = WARM
     report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    after_warm = counters["stats"]["unique_graphs"]
+    return sk, report, lambda: counters["stats"]["unique_graphs"]
+
+
+def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(base_dir, decode_only_dir):  # noqa: F811
+    """With a decode-only adapter and a schedule with full-depth first steps (the embedded
+    model's shipped 2x), static generations after :func:`warm_up` compile nothing new, past the
+    full-depth steps too (a user's `generate --speedup 2 --compile` once recompiled inside its
+    timed steps when the switch first flipped from the base weights to the adapter)."""
+    sk, report, graphs = _warmed_decode_only(base_dir, decode_only_dir)
+    after_warm = graphs()
     for B in (1, 2, 3):
         sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
     assert report.enabled, report.error
-    assert counters["stats"]["unique_graphs"] == after_warm
+    assert graphs() == after_warm
 
 
 def test_warm_up_compiles_inflight_batches_mixing_base_and_adapter_rows(base_dir, decode_only_dir):  # noqa: F811
@@ -178,17 +186,10 @@ def test_warm_up_compiles_inflight_batches_mixing_base_and_adapter_rows(base_dir
     :func:`warm_up`, batches of 4 and 5 rows of different ages and speedups, some on the base
     weights (full depth, or the schedule's full-depth first steps) and some on the adapter in the
     same step, compile nothing new (a server once recompiled mid-load on such a batch)."""
-    from torch._dynamo.utils import counters
-
-    from skipdecode.compiled import compile_adapter, warm_up
     from skipdecode.engine import Engine, Request
 
-    torch._dynamo.reset()
-    counters.clear()
-    sk = load(str(base_dir), adapter=str(decode_only_dir))
-    sk.policy = WARM
-    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    after_warm = counters["stats"]["unique_graphs"]
+    sk, report, graphs = _warmed_decode_only(base_dir, decode_only_dir)
+    after_warm = graphs()
     engine = Engine(sk.adapter, max_batch_size=6)
     ids = sk.tokenizer("name[The Eagle], eatType[coffee shop]")["input_ids"]
     plans = [WARM, None, WARM, None, WARM]
@@ -199,4 +200,4 @@ def test_warm_up_compiles_inflight_batches_mixing_base_and_adapter_rows(base_dir
     while engine.busy:
         engine.step()
     assert report.enabled, report.error
-    assert counters["stats"]["unique_graphs"] == after_warm
+    assert graphs() == after_warm
