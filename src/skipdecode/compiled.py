@@ -19,13 +19,14 @@ compiled regions (a graph break).
 
 Variants are bounded and do not grow with the policy or the layer count: one graph per cache
 layout (a static batch, or slots gathered from a :class:`~skipdecode.cache.SlotCache`), per state of a decode-only adapter's
-switch (base weights, adapter, rows of both) and per batch size until it becomes symbolic (1 is
-always its own); layer indices are not specialised, and batch size, key length and buffer
-capacity are symbolic after their second value (dynamo's automatic dynamic shapes). The
-prefill's variants: a batch of one or more rows, an empty cache, a stored prefix or a static
-batch's (whose capacity exceeds its key length); a weight-only quantized linear takes its eager
-kernel there at any row count (its fused loop is for decode steps), so no row count makes a
-variant. The number of recompilations a model may trigger is raised to ``2 * num_layers + 8`` for these calls only.
+switch (base weights, adapter, rows of both) and per batch of one or of more rows (a batch of
+more is symbolic from its first compile, :func:`_mark_dynamic`); layer indices are not
+specialised, and key length and buffer capacity are symbolic after their second value (dynamo's
+automatic dynamic shapes). The prefill's variants: a batch of one or more rows, an empty cache,
+a stored prefix or a static batch's (whose capacity exceeds its key length); a weight-only
+quantized linear takes its eager kernel there at any row count (its fused loop is for decode
+steps), so no row count makes a variant. The number of recompilations a model may trigger is
+raised to ``2 * num_layers + 8`` for these calls only.
 With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
 loop (the fast int8/int4 path).
 
