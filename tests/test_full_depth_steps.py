@@ -170,30 +170,22 @@ def _warmed_decode_only(base_dir, decode_only_dir):
 
 def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(base_dir, decode_only_dir):  # noqa: F811
     """With a decode-only adapter and a schedule with full-depth first steps (the embedded
-    model's shipped 2x), static generations after :func:`warm_up` compile nothing new, past the
-    full-depth steps too (a user's `generate --speedup 2 --compile` once recompiled inside its
-    timed steps when the switch first flipped from the base weights to the adapter)."""
-    sk, report, graphs = _warmed_decode_only(base_dir, decode_only_dir)
-    after_warm = graphs()
-    for B in (1, 2, 3):
-        sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
-    assert report.enabled, report.error
-    assert graphs() == after_warm
-
-
-def test_warm_up_compiles_inflight_batches_mixing_base_and_adapter_rows(base_dir, decode_only_dir):  # noqa: F811
-    """In flight with the decode-only adapter (what `serve --compile` runs by default): after
-    :func:`warm_up`, batches of 4 and 5 rows of different ages and speedups, some on the base
-    weights (full depth, or the schedule's full-depth first steps) and some on the adapter in the
-    same step, compile nothing new (a server once recompiled mid-load on such a batch)."""
+    model's shipped 2x), nothing compiles after :func:`warm_up`: static generations past the
+    full-depth steps (a user's `generate --speedup 2 --compile` once recompiled inside its timed
+    steps when the switch first flipped from the base weights to the adapter), then in flight
+    (what `serve --compile` runs by default) batches of up to 5 rows of different ages and
+    speedups, some on the base weights and some on the adapter in the same step (a server once
+    recompiled mid-load on such a batch)."""
     from skipdecode.engine import Engine, Request
 
     sk, report, graphs = _warmed_decode_only(base_dir, decode_only_dir)
     after_warm = graphs()
+    for B in (1, 2, 3):
+        sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
+    assert graphs() == after_warm
     engine = Engine(sk.adapter, max_batch_size=6)
     ids = sk.tokenizer("name[The Eagle], eatType[coffee shop]")["input_ids"]
-    plans = [WARM, None, WARM, None, WARM]
-    for i, plan in enumerate(plans):  # a row joins every other step: ages and switch states mix
+    for i, plan in enumerate([WARM, None, WARM, None, WARM]):  # a row joins every other step
         engine.submit(Request(list(ids[: 4 + i]), max_new_tokens=N_NEW + 2 * i, policy=plan))
         engine.step()
         engine.step()
