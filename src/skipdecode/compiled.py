@@ -262,10 +262,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 if write is None:
                     wrapped = None if cache is None else _EagerCacheWrite(cache)
                     return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
-                for buf in (write.keys, write.values):  # slots and capacity vary: never specialise on them
-                    torch._dynamo.maybe_mark_dynamic(buf, 0)
-                    torch._dynamo.maybe_mark_dynamic(buf, 2)
-                _mark_dynamic(hidden, attention_mask, extra, [write.slots, write.positions], prefill=False)
+                _mark_dynamic(hidden, attention_mask, extra, write, prefill=False)
                 out = traced(layer, hidden, attention_mask, write.keys, write.values, write.key_length,
                              write.slots, write.positions, cache_kw, extra)
                 cache.commit_decode_write(layer_idx, write)
@@ -298,10 +295,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 kv_like[layer_idx] = (cache.keys[layer_idx][:1, :, :1].clone(), cache.values[layer_idx][:1, :, :1].clone())
             return out
         extra = {k: _canonical(v) for k, v in extra.items()}
-        _mark_dynamic(hidden, attention_mask, extra, [], prefill=True)
-        for buf in (write.keys, write.values):
-            torch._dynamo.maybe_mark_dynamic(buf, 0)
-            torch._dynamo.maybe_mark_dynamic(buf, 2)
+        _mark_dynamic(hidden, attention_mask, extra, write, prefill=True)
         try:
             with limits, prefill_shapes:
                 out = traced_prefill(layer, hidden, attention_mask, write.keys, write.values, cache_kw, extra)
@@ -327,19 +321,23 @@ def _canonical(value: Any) -> Any:
     keeps the stride of a size-1 dimension (a batch of one sliced from a wider tensor), and
     dynamo guards on it: a copy makes every call's strides the same."""
     if isinstance(value, torch.Tensor):
-        return value if value.stride() == torch.empty(value.shape, device="meta").stride() else value.clone(
-            memory_format=torch.contiguous_format)
+        strides, step = [], 1
+        for size in reversed(value.shape):
+            strides.append(step)
+            step *= size
+        return value if value.stride() == tuple(reversed(strides)) else value.clone(memory_format=torch.contiguous_format)
     if isinstance(value, (tuple, list)):
         return type(value)(_canonical(v) for v in value)
     return value
 
 
-def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict, rows: list,
+def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict, write: Any,
                   prefill: bool) -> None:
     """Mark a layer call's varying sizes symbolic before its first compile, so that a new batch
-    size (or, in a prefill, prompt length or key length) compiles nothing: the batch B (dimension
-    0 of every input and of each (B,) tensor in ``rows``, such as a slot view's slots and
-    positions, when B > 1; a batch of one keeps its own graph) and, with ``prefill``, the new
+    size (or, in a prefill, prompt length or key length) compiles nothing: the cache buffers'
+    rows and capacity (``write``, a :class:`~skipdecode.cache.DecodeWrite`: (B or S, H_kv,
+    capacity, D)); the batch B (dimension 0 of every input and of a slot view's (B,) slots and
+    positions, when B > 1; a batch of one keeps its own graph); and, with ``prefill``, the new
     tokens T (``hidden`` (B, T, C), dimension 1 of every extra of T positions such as position ids
     (B, T) and rotary tables (B, T, D)) and the key length K (``attention_mask`` (B, 1, T, K))."""
     B, T = hidden.shape[:2]
@@ -348,10 +346,12 @@ def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dic
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
 
+    for buf in (write.keys, write.values):  # slots and capacity vary: never specialise on them
+        mark(buf, [0, 2])
     batch = [0] if B > 1 else []
     mark(hidden, batch + ([1] if prefill else []))
     mark(attention_mask, batch + ([2, 3] if prefill else []))
-    for t in rows:
+    for t in (write.slots, write.positions):
         if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == B:
             mark(t, batch)
     stack = list(extra.values())

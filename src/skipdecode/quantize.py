@@ -133,9 +133,11 @@ class _QuantLinear(nn.Module):
         """``x`` (..., K) float -> (..., N), as the float layer would compute it from ``W'``."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        one_position = x.ndim < 3 or shape[-2] == 1  # a decode step; a compiled prefill's T is symbolic >= 2,
-        if torch.compiler.is_compiling() and one_position and x2.shape[0] <= FUSED_MAX_ROWS:  # so no guard on its rows
-            y = self._fused(x2)  # inside a compiled decode step: inductor fuses it
+        # a decode step (one position per row) inside a compiled layer: inductor fuses the product.
+        # A compiled prefill's T is symbolic >= 2, so this test adds no guard on its row count.
+        one_position = x.ndim < 3 or shape[-2] == 1
+        if torch.compiler.is_compiling() and one_position and x2.shape[0] <= FUSED_MAX_ROWS:
+            y = self._fused(x2)
         elif self.compiled_kernel and x.ndim == 3 and shape[1] == 1 and x2.shape[0] <= FUSED_MAX_ROWS:
             y = _run_compiled_kernel(self, x2)  # a decode step: one token per row
         else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
 from .selection import topk_indices
 
 __all__ = ["RESCORE_CANDIDATES", "RESCORE_MAX_ROWS", "RescoredHead"]
