@@ -135,14 +135,68 @@ def test_greedy_tokens_and_skip_plans(tokenizer):
     assert res.layers_run == [len(policy.active_layers(t)) for t in range(1, 6)]
 
 
-def test_inflight_rows_equal_solo_and_compiled_equals_eager(tmp_path, tokenizer):
+def _count_onednn(monkeypatch) -> list[int]:
+    """Patch :func:`skipdecode.w8a8._onednn_product` to record the row count of every call."""
+    calls: list[int] = []
+    real = w8a8._onednn_product
+
+    def spy(codes, *args):
+        calls.append(codes.shape[0])
+        return real(codes, *args)
+
+    monkeypatch.setattr(w8a8, "_onednn_product", spy)
+    return calls
+
+
+def test_onednn_copy_gives_fbgemms_integers_for_prefills_only(monkeypatch):
+    """With a oneDNN copy, products of ONEDNN_MIN_ROWS rows or more go through it and equal
+    FBGEMM's exactly (both accumulate the same integers); fewer rows stay on FBGEMM; copies
+    (deepcopy) keep the copy; the bytes count it."""
+    assert w8a8.onednn_available()[0], w8a8.onednn_available()[1]
+    torch.manual_seed(1)
+    layer = W8A8Linear(torch.randn(96, 48) * 0.1, torch.randn(96))
+    many = torch.randn(2, w8a8.ONEDNN_MIN_ROWS // 2, 48) * 2  # 64 positions, and the guard row
+    few = torch.randn(w8a8.ONEDNN_MIN_ROWS - 2, 1, 48)  # the guard row makes it MIN_ROWS - 1
+    want_many, want_few = layer(many), layer(few)
+    calls = _count_onednn(monkeypatch)
+    assert layer.enable_onednn() and layer.packed_nbytes() == 2 * 96 * 48
+    assert torch.equal(layer(many), want_many) and calls == [w8a8.ONEDNN_MIN_ROWS + 1]
+    assert torch.equal(layer(few), want_few) and calls == [w8a8.ONEDNN_MIN_ROWS + 1]
+    twin = copy.deepcopy(layer)
+    assert twin.onednn_packed is not None and torch.equal(twin(many), want_many) and len(calls) == 2
+    layer.disable_onednn()
+    assert layer.onednn_packed is None and layer.packed_nbytes() == 96 * 48
+    assert torch.equal(layer(many), want_many) and len(calls) == 2
+
+
+def test_onednn_enable_copies_the_decoder_layers_not_the_heads_preview():
+    from skipdecode import onednn
+
+    model = quantize_model(make_model("llama"), "w8a8")
+    preview = model.get_output_embeddings().row_preview
+    in_layers = [m for m in model.model.layers.modules() if isinstance(m, W8A8Linear)]
+    before = resident_bytes(model)["quantized"]
+    assert onednn.enable(model) == len(in_layers) > 0
+    assert all(m.onednn_packed is not None for m in in_layers) and preview.onednn_packed is None
+    assert resident_bytes(model)["quantized"] == before + sum(m.out_features * m.in_features for m in in_layers)
+    assert onednn.disable(model) == len(in_layers) and resident_bytes(model)["quantized"] == before
+
+
+def test_inflight_rows_equal_solo_and_compiled_equals_eager(tmp_path, tokenizer, monkeypatch):
     """Rows joining at different steps with different plans give their solo tokens; the compiled
-    step (the product inside each layer's graph) gives the eager tokens."""
+    step (the product inside each layer's graph) gives the eager tokens, and so does a compiled
+    prefill of 64+ positions, whose products go through oneDNN's copy."""
     directory = tmp_path / "m"
     SkipModel(make_model("llama"), tokenizer).save_pretrained(directory)
     eager = load(directory, quantize="w8a8")
     compiled = load(directory, quantize="w8a8", compile=True)
     assert compiled.compile_report.enabled, compiled.compile_report.error
+    long_prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"]
+    assert len(long_prompt) >= w8a8.ONEDNN_MIN_ROWS
+    want = eager.generate([long_prompt], max_new_tokens=4).token_ids
+    calls = _count_onednn(monkeypatch)
+    assert compiled.generate([long_prompt], max_new_tokens=4).token_ids == want
+    assert calls and min(calls) >= w8a8.ONEDNN_MIN_ROWS and compiled.compile_report.prefill
     prompts = [tokenizer(p)["input_ids"] for p in ("The Eagle is", "Summarize the article. The quick", "A")]
     plans = [None, eager.policy_for(speedup=2.0, horizon=4), eager.policy_for(speedup=3.0, horizon=4)]
     solo = [eager.generate([p], max_new_tokens=6, policy=plan).token_ids[0] for p, plan in zip(prompts, plans)]

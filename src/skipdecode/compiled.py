@@ -64,8 +64,9 @@ class CompileReport:
             0.0 before :func:`warm_up`.
         warmed_batch_sizes: batch sizes the warm-up ran (sequences).
         error: why compilation is unavailable, one line ("" when enabled).
-        onednn_layers: float32 linears whose products of 3 or more rows use oneDNN's packed
-            weights (:mod:`skipdecode.onednn`; mode "layers" only).
+        onednn_layers: linears with a oneDNN copy of their weights (:mod:`skipdecode.onednn`;
+            mode "layers" only): float32 ones use it from 3 rows, W8A8 ones of the decoder
+            layers from 64 (prefills, :data:`skipdecode.w8a8.ONEDNN_MIN_ROWS`).
         prefill: mode "layers": prefill layer calls (several new tokens per row, no gradient)
             run compiled too; False once a prefill compile failed (the decode steps stay
             compiled; ``prefill_error`` says why).
@@ -201,7 +202,8 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             fused kernel; the rest stays eager (the faster choice on the test CPU, see
             docs/quantization.md). "auto": kernels for an int8 model, else layers (:func:`resolve_mode`).
         onednn: mode "layers": float32 CPU linears also get oneDNN's packed weights for products
-            of 3 or more rows, eager ones included (a prefill), at the cost of a second copy of
+            of 3 or more rows, eager ones included (a prefill), and W8A8 linears a oneDNN int8
+            copy for products of 64 or more rows (prefills), at the cost of a second copy of
             those weights (:func:`skipdecode.onednn.enable`; ``CompileReport.onednn_layers``).
 
     Returns:

@@ -122,19 +122,28 @@ def _onednn_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def enable(model: nn.Module) -> int:
     """Pack the weight of every float32 CPU :class:`~skipdecode.layout.WeightLeftLinear` of
     ``model`` for oneDNN and mark the layer (``onednn = True``), so that its products of
-    :data:`MIN_ROWS` or more rows use the packed copy. A weight shared by two layers is packed
-    once per layer. Costs a second copy of those weights (module docstring).
+    :data:`MIN_ROWS` or more rows use the packed copy; and give every
+    :class:`~skipdecode.w8a8.W8A8Linear` of a decoder layer its oneDNN int8 copy for prefills
+    (:meth:`~skipdecode.w8a8.W8A8Linear.enable_onednn`; an LM head's W8A8 preview never takes
+    that many rows). A weight shared by two layers is packed once per layer. Costs a second copy
+    of those weights (module docstring).
 
     Returns:
         The number of layers enabled; 0 when oneDNN is unavailable here (:func:`available`) or
         ``model`` has no such layer (call :func:`skipdecode.layout.weight_left` first).
     """
     from .layout import WeightLeftLinear
+    from .rescored_head import RescoredHead
+    from .w8a8 import W8A8Linear
 
     if not available()[0]:
         return 0
     count = 0
+    previews = {id(m.row_preview) for m in model.modules() if isinstance(m, RescoredHead)}
     for module in model.modules():
+        if isinstance(module, W8A8Linear):
+            count += id(module) not in previews and module.enable_onednn()
+            continue
         if type(module) is not WeightLeftLinear:
             continue
         w = module.weight
@@ -147,10 +156,16 @@ def enable(model: nn.Module) -> int:
 
 
 def disable(model: nn.Module) -> int:
-    """Drop the packed copies of ``model``'s layers and unmark them; returns how many it dropped."""
+    """Drop the packed copies of ``model``'s layers (float32 and W8A8) and unmark them; returns
+    how many it dropped."""
+    from .w8a8 import W8A8Linear
+
     count = 0
     for module in model.modules():
-        if getattr(module, "_onednn_packed", None) is not None:
+        if isinstance(module, W8A8Linear) and module.onednn_packed is not None:
+            module.disable_onednn()
+            count += 1
+        elif getattr(module, "_onednn_packed", None) is not None:
             module._onednn_packed = None
             module.onednn = False
             count += 1

@@ -19,12 +19,14 @@ kernels read int8 weights near memory speed (the 49152x576 LM head at one row on
 test CPU: 1.3 ms against about 13-14 ms weight-only int8 and 4.6 ms float32; docs/quantization.md).
 Activation rounding costs accuracy: about 1.6 % relative error per product on Gaussian inputs
 against 0.75 % for weight-only int8 (measured; the quality table is in docs/quantization.md).
-A prefill runs at about the speed of float32 (FBGEMM's integer GEMM against MKL's float one, 64
-to 512 prompt tokens), a decode step at int8's memory traffic.
+A decode step runs at int8's memory traffic. With ``compile=True`` each layer also gets a copy
+of its codes in oneDNN's layout (:meth:`W8A8Linear.enable_onednn`), through which products of
+:data:`ONEDNN_MIN_ROWS` or more rows (prefills) run: the same integers, 15-35 % faster than
+FBGEMM's at 64-448 rows on the AVX-512 test host, for N x K more bytes.
 
 The product is the custom op ``skipdecode::w8a8_linear`` so that compiled layer graphs
 (``load(..., compile=True)``) keep it as one opaque call without a graph break (FBGEMM's packed
-weights are a TorchScript object dynamo cannot pass; the op finds them by a per-layer key held
+weights are a TorchScript object, oneDNN's an opaque tensor, neither of which dynamo can pass; the op finds them by a per-layer key held
 in a 0-dimensional buffer, so every layer shares one graph). CPU only: FBGEMM has no GPU kernels.
 """
 
@@ -90,17 +92,18 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -
 
 def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weight_sums: torch.Tensor,
           guard: torch.Tensor) -> torch.Tensor:
-    """(M, K) float32 -> (M, N) float32: each row quantized on its own, one FBGEMM call for all.
+    """(M, K) float32 -> (M, N) float32: each row quantized on its own, one integer product for all.
 
     Row r gets the scale ``a_r = (max(x_r, 0) - min(x_r, 0)) / 127`` and zero point
     ``z_r = round(-min(x_r, 0) / a_r)``, codes ``u_r = clamp(round(x_r / a_r) + z_r, 0, 127)`` (the
-    7-bit grid of FBGEMM's own dynamic quantization, ``reduce_range``). ``product`` (FBGEMM's
-    dynamic linear) gets the codes as floats with one ``guard`` row (1, K) holding 0 and 127, so that the
-    tensor-wide parameters it picks are scale 1 and zero 0 and it reads the codes exactly; it
-    returns ``s_n sum_k u_rk q_nk``, and ``a_r (that - z_r weight_sums_n)`` with
-    ``weight_sums_n = s_n sum_k q_nk`` is row r's product. The accumulation is in integers, so
-    row r's result is the same whatever the other rows hold. Plain tensor code: inside a compiled
-    layer inductor fuses it around the one opaque ``product`` call.
+    7-bit grid of FBGEMM's own dynamic quantization, ``reduce_range``). ``product``
+    (:meth:`W8A8Linear._matmul`) gets the codes as uint8 with one ``guard`` row (1, K) holding 0
+    and 127 (so that FBGEMM's dynamic linear, which picks tensor-wide parameters, picks scale 1
+    and zero 0 and reads the codes exactly); it returns ``s_n sum_k u_rk q_nk``, and
+    ``a_r (that - z_r weight_sums_n)`` with ``weight_sums_n = s_n sum_k q_nk`` is row r's product.
+    The accumulation is in integers, so row r's result is the same whatever the other rows hold.
+    Plain tensor code: inside a compiled layer inductor fuses it around the one opaque
+    ``product`` call, writing one byte per code.
     """
     if x.shape[0] == 0:
         return x.new_zeros((0, weight_sums.shape[0]))
@@ -109,7 +112,7 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weig
     a = (hi - lo) / 127.0
     a = torch.where(a > 0, a, torch.ones_like(a))
     z = torch.round(-lo / a)
-    u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0)
+    u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0).to(torch.uint8)
     y = product(torch.cat([u, guard]))[:-1]
     return a * (y - z * weight_sums)
 
@@ -122,10 +125,12 @@ _LIB.define("w8a8_linear(Tensor codes, Tensor key, Tensor scale) -> Tensor")
 
 
 def w8a8_linear(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FBGEMM's dynamic linear of ``codes`` (M, K) float32 through the packed weight of the
-    layer that ``key`` (0-dim int64) names: (M, N) float32; ``scale`` (N,) gives N. The CPU
-    kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows` makes the codes)."""
-    return torch.ops.quantized.linear_dynamic(codes, _LAYERS[int(key)].packed, True)
+    """The integer product of uint8 ``codes`` (M, K) with the int8 weight of the layer that
+    ``key`` (0-dim int64) names (:meth:`W8A8Linear._matmul`): (M, N) float32; ``scale`` (N,)
+    gives N. The CPU kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows`
+    makes the codes); the row count is decided here, inside the opaque op, so a compiled graph
+    holds no guard on it."""
+    return _LAYERS[int(key)]._matmul(codes)
 
 
 _LIB.impl("w8a8_linear", w8a8_linear, "CPU")
@@ -133,7 +138,43 @@ _LIB.impl("w8a8_linear", w8a8_linear, "CPU")
 
 @torch.library.register_fake("skipdecode::w8a8_linear")
 def _w8a8_linear_fake(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.new_empty((codes.shape[0], scale.shape[0]))
+    return codes.new_empty((codes.shape[0], scale.shape[0]), dtype=torch.float32)
+
+
+#: rows (the guard row included) from which a layer with a oneDNN copy multiplies through it:
+#: a prefill. Measured on the 2-core AVX-512 test host (PyTorch 2.13), oneDNN's u8 x s8 inner
+#: product against FBGEMM's dynamic linear for SmolLM2-135M's shapes: 957 against 1400 us
+#: (576 -> 1536) and 904 against 1077 (1536 -> 576) at 448 rows, 162 against 215 and 155
+#: against 204 at 64 rows; FBGEMM is as fast or faster up to about 33 rows and at one row
+#: (21 against 34 us), so decode steps stay on it.
+ONEDNN_MIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_available() -> tuple[bool, str]:
+    """Whether oneDNN's int8 linear (``torch.ops.onednn.qlinear_prepack`` / ``qlinear_pointwise``)
+    works in this PyTorch build and agrees with FBGEMM: ``(ok, reason when not)``, from a
+    self-test run once per process."""
+    try:
+        codes = (torch.arange(256, dtype=torch.int64).reshape(16, 16) % 255 - 127).to(torch.int8)
+        scale = torch.linspace(0.5, 2.0, 16)
+        u = torch.arange(48, dtype=torch.int64).reshape(3, 16).remainder(128).to(torch.uint8)
+        want = (u.double() @ codes.double().T * scale.double()).float()
+        got = _onednn_product(u, torch.ops.onednn.qlinear_prepack(codes, None), scale, torch.zeros(16, dtype=torch.long))
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-3):
+            return False, "oneDNN's int8 linear failed its self-test"
+    except Exception as exc:  # a private op renamed or removed in another PyTorch
+        return False, f"{type(exc).__name__}: " + " ".join(str(exc).split())[:200]
+    return True, ""
+
+
+def _onednn_product(codes: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    zeros: torch.Tensor) -> torch.Tensor:
+    """``scale_n sum_k codes[m, k] q[n, k]``: uint8 ``codes`` (M, K), oneDNN's packed int8 weight
+    (N, K), ``scale`` (N,) float32 -> (M, N) float32 (activation scale 1, zero point 0; the
+    inductor x86 quantization path's ``qlinear_pointwise`` op)."""
+    return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, packed, scale, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [None], "")
 
 
 class W8A8Linear(nn.Module):
@@ -146,7 +187,9 @@ class W8A8Linear(nn.Module):
     Buffers: ``scale`` (N,) float32, ``max_k |W[n, k]| / 127`` (1 for an all-zero row);
     ``weight_sums`` (N,) ``scale_n sum_k q_nk`` and ``key`` (0-dim int64), neither saved. The int8
     codes live in FBGEMM's packed weight only (``self.packed``, N x K bytes, counted by
-    :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`). ``forward``:
+    :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`), and after
+    :meth:`enable_onednn` in a second copy for oneDNN (``self.onednn_packed``, products of
+    :data:`ONEDNN_MIN_ROWS` or more rows). ``forward``:
     (..., K) float32 -> (..., N), every position quantized on its own.
 
     Raises:
@@ -174,12 +217,13 @@ class W8A8Linear(nn.Module):
         return self
 
     def _init(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.onednn_packed = None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.register_buffer("scale", scale)
         self.register_buffer("weight_sums", scale * codes.sum(dim=1, dtype=torch.int32).float(), persistent=False)
         self.register_buffer("key", torch.zeros((), dtype=torch.long), persistent=False)
-        self.guard = torch.zeros((1, self.in_features))  # :func:`_rows`' guard row, made once
-        self.guard[0, 0] = 127.0
+        self.guard = torch.zeros((1, self.in_features), dtype=torch.uint8)  # :func:`_rows`' guard row, made once
+        self.guard[0, 0] = 127
         self._set_packed(codes)
 
     def _set_packed(self, codes: torch.Tensor) -> None:
@@ -195,15 +239,40 @@ class W8A8Linear(nn.Module):
     def _product(self, codes: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque call in the layer's graph
             return torch.ops.skipdecode.w8a8_linear(codes, self.key, self.scale)
-        return torch.ops.quantized.linear_dynamic(codes, self.packed, True)
+        return self._matmul(codes)
+
+    def _matmul(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 ``codes`` (M, K), the guard row included -> (M, N) float32 ``s_n sum_k u q``:
+        through oneDNN's copy from :data:`ONEDNN_MIN_ROWS` rows when :meth:`enable_onednn` made
+        one, else FBGEMM's dynamic linear (which takes the codes as floats)."""
+        if self.onednn_packed is not None and codes.shape[0] >= ONEDNN_MIN_ROWS:
+            return _onednn_product(codes, self.onednn_packed, self.scale, self._zero_points)
+        return torch.ops.quantized.linear_dynamic(codes.float(), self.packed, True)
+
+    def enable_onednn(self) -> bool:
+        """Make a second copy of the int8 codes in oneDNN's layout, used for products of
+        :data:`ONEDNN_MIN_ROWS` or more rows (prefills; ``compile=True`` calls it through
+        :func:`skipdecode.onednn.enable`). Costs N x K more bytes (:meth:`packed_nbytes`); results
+        are the same integers (exact). Returns False, changing nothing, where oneDNN's int8
+        linear is unavailable (:func:`onednn_available`)."""
+        if not onednn_available()[0]:
+            return False
+        self.onednn_packed = torch.ops.onednn.qlinear_prepack(self.codes(), None)
+        self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        return True
+
+    def disable_onednn(self) -> None:
+        """Drop the oneDNN copy (products go to FBGEMM at every row count)."""
+        self.onednn_packed = None
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weight as floats, ``q * scale``: (N, K) float32."""
         return self.codes().float() * self.scale[:, None]
 
     def packed_nbytes(self) -> int:
-        """Bytes of the packed int8 weight (N x K; FBGEMM's column offsets not counted)."""
-        return self.out_features * self.in_features
+        """Bytes of the packed int8 weights: N x K, twice with a oneDNN copy (FBGEMM's column
+        offsets not counted)."""
+        return self.out_features * self.in_features * (1 if self.onednn_packed is None else 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., T, K) float32 CPU -> (..., T, N)."""
@@ -220,13 +289,18 @@ class W8A8Linear(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_codes"] = self.codes()
+        state["onednn_packed"] = state.get("onednn_packed") is not None  # an opaque tensor: packed again
         del state["packed"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         codes = state.pop("_codes")
+        onednn = state.pop("onednn_packed", False)
         super().__setstate__(state)
+        self.onednn_packed = None
         self._set_packed(codes)
+        if onednn:
+            self.enable_onednn()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
