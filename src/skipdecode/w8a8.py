@@ -97,13 +97,15 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weig
     Row r gets the scale ``a_r = (max(x_r, 0) - min(x_r, 0)) / 127`` and zero point
     ``z_r = round(-min(x_r, 0) / a_r)``, codes ``u_r = clamp(round(x_r / a_r) + z_r, 0, 127)`` (the
     7-bit grid of FBGEMM's own dynamic quantization, ``reduce_range``). ``product``
-    (:meth:`W8A8Linear._matmul`) gets the codes as uint8 with one ``guard`` row (1, K) holding 0
-    and 127 (so that FBGEMM's dynamic linear, which picks tensor-wide parameters, picks scale 1
-    and zero 0 and reads the codes exactly); it returns ``s_n sum_k u_rk q_nk``, and
+    (:meth:`W8A8Linear._matmul`) gets the codes in ``guard``'s dtype with one ``guard`` row (1, K)
+    holding 0 and 127 (so that FBGEMM's dynamic linear, which picks tensor-wide parameters,
+    picks scale 1 and zero 0 and reads the codes exactly); it returns ``s_n sum_k u_rk q_nk``, and
     ``a_r (that - z_r weight_sums_n)`` with ``weight_sums_n = s_n sum_k q_nk`` is row r's product.
     The accumulation is in integers, so row r's result is the same whatever the other rows hold.
     Plain tensor code: inside a compiled layer inductor fuses it around the one opaque
-    ``product`` call, writing one byte per code.
+    ``product`` call. Float codes for FBGEMM, which takes floats; uint8 codes (one byte each) for
+    oneDNN's product of a prefill: a conversion call per product costs about 0.5 ms of a
+    30-layer batch-1 step on one side, and a prefill's oneDNN gain on the other.
     """
     if x.shape[0] == 0:
         return x.new_zeros((0, weight_sums.shape[0]))
@@ -112,7 +114,7 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], weig
     a = (hi - lo) / 127.0
     a = torch.where(a > 0, a, torch.ones_like(a))
     z = torch.round(-lo / a)
-    u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0).to(torch.uint8)
+    u = torch.clamp(torch.round(x / a) + z, 0.0, 127.0).to(guard.dtype)
     y = product(torch.cat([u, guard]))[:-1]
     return a * (y - z * weight_sums)
 
@@ -125,7 +127,7 @@ _LIB.define("w8a8_linear(Tensor codes, Tensor key, Tensor scale) -> Tensor")
 
 
 def w8a8_linear(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The integer product of uint8 ``codes`` (M, K) with the int8 weight of the layer that
+    """The integer product of ``codes`` (M, K, 7-bit codes, float32 or uint8) with the int8 weight of the layer that
     ``key`` (0-dim int64) names (:meth:`W8A8Linear._matmul`): (M, N) float32; ``scale`` (N,)
     gives N. The CPU kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows`
     makes the codes); the row count is decided here, inside the opaque op, so a compiled graph
@@ -218,12 +220,14 @@ class W8A8Linear(nn.Module):
 
     def _init(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.onednn_packed = None
+        self.onednn = False  # a plain flag for traced code (the opaque copy is never touched there)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.register_buffer("scale", scale)
         self.register_buffer("weight_sums", scale * codes.sum(dim=1, dtype=torch.int32).float(), persistent=False)
         self.register_buffer("key", torch.zeros((), dtype=torch.long), persistent=False)
-        self.guard = torch.zeros((1, self.in_features), dtype=torch.uint8)  # :func:`_rows`' guard row, made once
-        self.guard[0, 0] = 127
+        self.guard = torch.zeros((1, self.in_features))  # :func:`_rows`' guard row, made once
+        self.guard[0, 0] = 127.0
+        self.guard_u8 = self.guard.to(torch.uint8)  # the same, for a prefill's uint8 codes
         self._set_packed(codes)
 
     def _set_packed(self, codes: torch.Tensor) -> None:
@@ -242,11 +246,13 @@ class W8A8Linear(nn.Module):
         return self._matmul(codes)
 
     def _matmul(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 ``codes`` (M, K), the guard row included -> (M, N) float32 ``s_n sum_k u q``:
-        through oneDNN's copy from :data:`ONEDNN_MIN_ROWS` rows when :meth:`enable_onednn` made
-        one, else FBGEMM's dynamic linear (which takes the codes as floats)."""
+        """``codes`` (M, K) float32 or uint8 holding 7-bit codes, the guard row included -> (M, N)
+        float32 ``s_n sum_k u q``: through oneDNN's copy (uint8 codes) from
+        :data:`ONEDNN_MIN_ROWS` rows when :meth:`enable_onednn` made one, else FBGEMM's dynamic
+        linear (float codes)."""
         if self.onednn_packed is not None and codes.shape[0] >= ONEDNN_MIN_ROWS:
-            return _onednn_product(codes, self.onednn_packed, self.scale, self._zero_points)
+            u8 = codes if codes.dtype == torch.uint8 else codes.to(torch.uint8)
+            return _onednn_product(u8, self.onednn_packed, self.scale, self._zero_points)
         return torch.ops.quantized.linear_dynamic(codes.float(), self.packed, True)
 
     def enable_onednn(self) -> bool:
@@ -259,11 +265,13 @@ class W8A8Linear(nn.Module):
             return False
         self.onednn_packed = torch.ops.onednn.qlinear_prepack(self.codes(), None)
         self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.onednn = True
         return True
 
     def disable_onednn(self) -> None:
         """Drop the oneDNN copy (products go to FBGEMM at every row count)."""
         self.onednn_packed = None
+        self.onednn = False
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weight as floats, ``q * scale``: (N, K) float32."""
@@ -281,7 +289,11 @@ class W8A8Linear(nn.Module):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise QuantizeError(f"w8a8 layers take float32 CPU inputs, got {x.dtype} on {x.device.type}")
         shape = x.shape
-        y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums, self.guard)
+        # several positions per row with a oneDNN copy (a prefill): uint8 codes, oneDNN's input.
+        # In a compiled prefill T is symbolic >= 2, so this test adds no guard on its value.
+        prefill = self.onednn and x.dim() >= 3 and shape[-2] != 1
+        guard = self.guard_u8 if prefill else self.guard
+        y = _rows(x.reshape(-1, self.in_features), self._product, self.weight_sums, guard)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -297,7 +309,7 @@ class W8A8Linear(nn.Module):
         codes = state.pop("_codes")
         onednn = state.pop("onednn_packed", False)
         super().__setstate__(state)
-        self.onednn_packed = None
+        self.onednn_packed, self.onednn = None, False
         self._set_packed(codes)
         if onednn:
             self.enable_onednn()
