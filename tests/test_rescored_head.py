@@ -129,3 +129,49 @@ def test_int4_head_works_on_the_dequantizing_fallback():
     x = torch.randn(3, 64)
     idx = F.linear(x, head.preview.dequantized()).topk(8, dim=-1).indices
     assert torch.allclose(head(x).gather(-1, idx), head.exact(x).gather(-1, idx), rtol=1e-5, atol=1e-6)
+
+
+def _fake_measure(ms: dict[str, float]):
+    """A ``measure`` for :meth:`RescoredHead.tune_one_row` that returns the given times
+    (milliseconds), in its call order: the W8A8 preview, then the int4 one."""
+    order = iter(["w8a8", "int4"])
+    return lambda fn: (fn(), ms[next(order)] / 1e3)[1]
+
+
+@pytest.mark.parametrize("int4_preview", [True, False])
+def test_tune_one_row_keeps_the_faster_preview(int4_preview):
+    """The faster preview serves a single row (two rows keep the W8A8 one); a head without an
+    int4 copy (w8a8 models) keeps the copy it made only when int4 wins; candidates stay exact."""
+    torch.manual_seed(0)
+    w = torch.randn(512, 64) * 0.1
+    head = RescoredHead(w, candidates=16, int4_preview=int4_preview)
+    assert head.one_row_preview == "w8a8" and (head.preview is not None) == int4_preview
+    assert head.tune_one_row(_fake_measure({"w8a8": 2.0, "int4": 1.0})) == {"w8a8": 2.0, "int4": 1.0}
+    assert head.one_row_preview == "int4" and isinstance(head.preview, Int4Linear) and head.preview.kernel
+    x = torch.randn(2, 64)
+    assert torch.equal(head.preview_logits(x[:1]), head.preview(x[:1]))  # one row: int4
+    assert torch.equal(head.preview_logits(x), head.row_preview(x[:, None])[:, 0])  # two: W8A8
+    one = head(x[:1])
+    idx = head.preview(x[:1]).topk(16, dim=-1).indices
+    assert torch.allclose(one.gather(-1, idx), head.exact(x[:1]).gather(-1, idx), rtol=1e-5, atol=1e-6)
+    assert torch.equal(one.argmax(-1), head.exact(x[:1]).argmax(-1))
+    other = RescoredHead(w, candidates=16, int4_preview=int4_preview)
+    before = resident_bytes(other)["total"]
+    other.tune_one_row(_fake_measure({"w8a8": 1.0, "int4": 2.0}))
+    assert other.one_row_preview == "w8a8" and (other.preview is not None) == int4_preview
+    assert resident_bytes(other)["total"] == before
+    assert torch.equal(other.preview_logits(x[:1]), other.row_preview(x[:1, None])[:, 0])
+
+
+def test_tune_one_row_measures_and_leaves_heads_without_a_choice_alone(monkeypatch):
+    head = RescoredHead(torch.randn(256, 64) * 0.1, candidates=8, int4_preview=False)
+    times = head.tune_one_row()  # the real timing: flushed caches, median of 7 calls
+    assert set(times) == {"w8a8", "int4"} and all(t > 0 for t in times.values())
+    assert head.one_row_preview == min(times, key=times.get)
+    no_fbgemm = RescoredHead(torch.randn(256, 64) * 0.1, candidates=8)
+    no_fbgemm.row_preview = None
+    assert no_fbgemm.tune_one_row() == {} and no_fbgemm.one_row_preview == "w8a8"
+    fallback = RescoredHead(torch.randn(256, 64) * 0.1, candidates=8, int4_preview=False)
+    monkeypatch.setattr(quantize.int4pack, "kernel_unusable", lambda *a: "no kernel here")
+    # the int4 copy it would make has no kernel: nothing to gain, nothing kept
+    assert fallback.tune_one_row() == {} and fallback.preview is None

@@ -71,6 +71,10 @@ class CompileReport:
             run compiled too; False once a prefill compile failed (the decode steps stay
             compiled; ``prefill_error`` says why).
         prefill_error: why compiled prefill was turned off, one line ("" while it runs).
+        head_one_row: mode "layers" with a rescored LM head that has both previews: the one a
+            batch-1 step takes and both times, e.g. ``{"chosen": "int4", "w8a8": 1.3, "int4":
+            1.0}`` (milliseconds; :meth:`~skipdecode.rescored_head.RescoredHead.tune_one_row`);
+            {} otherwise.
     """
 
     enabled: bool
@@ -82,6 +86,7 @@ class CompileReport:
     onednn_layers: int = 0
     prefill: bool = False
     prefill_error: str = ""
+    head_one_row: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable copy."""
@@ -378,12 +383,20 @@ def _layer_indices(adapter: Adapter) -> dict[int, int]:
 
 
 def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None:
-    """Compile the model's tail (final norm, projections, LM head) for one position per row.
+    """Compile the model's tail (final norm, projections, LM head) for one position per row,
+    after a rescored head picked its one-row preview (``report.head_one_row``).
 
     Sets an instance attribute ``head`` that shadows the class method, so :func:`skip_forward`
     (which calls ``adapter.head``) is unchanged; more than one position (teacher forcing, a
     full-sequence prefill) runs the eager head.
     """
+    from .rescored_head import RescoredHead
+
+    for module in adapter.model.modules():  # before compiling: the graph follows the choice
+        if isinstance(module, RescoredHead):
+            times = module.tune_one_row()
+            if times:
+                report.head_one_row = {"chosen": module.one_row_preview, **times}
     eager_head = adapter.head
     compiled = torch.compile(type(adapter).head, backend=backend, dynamic=None)
 

@@ -33,6 +33,10 @@ reads one preview and ``k`` int8 rows per row (:meth:`RescoredHead.step_read_byt
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -103,12 +107,63 @@ class RescoredHead(nn.Module):
         logits.scatter_(-1, idx, self.rescore(x2, idx))
         return logits.reshape(*shape[:-1], self.out_features)
 
+    #: the preview a single row (a batch-1 decode step) takes where both exist: "w8a8"
+    #: (:attr:`row_preview`) or "int4" (``preview``); :meth:`tune_one_row` picks the faster
+    one_row_preview: str = "w8a8"
+
     def preview_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The preview of every logit, ``x`` (M, K) -> (M, N): :attr:`row_preview` for float32
-        rows where it exists, else the int4 ``preview``."""
+        rows where it exists (one row: the int4 ``preview`` when :attr:`one_row_preview` says
+        so), else the int4 ``preview``."""
+        if x.shape[0] == 1 and self.one_row_preview == "int4" and self.preview is not None:
+            return self.preview(x)
         if self.row_preview is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return self.row_preview(x[:, None, :])[:, 0]
         return self.preview(x) if self.preview is not None else self.exact(x)
+
+    @torch.no_grad()
+    def tune_one_row(self, measure: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
+        """Time both previews on one float32 row and keep the faster in :attr:`one_row_preview`.
+
+        At one row the preview is a read of the whole head (W8A8: N x K int8 bytes; int4: half
+        that, through PyTorch's int4 kernel), so the faster one depends on the CPU: on the 2-core
+        AVX-512 test host, with the caches flushed before each call as the layers of a decode
+        step flush them, the int4 kernel took 1.01 ms against 1.30 for W8A8 (hot, 0.94 against
+        0.78), and a compiled w8a8 batch-1 step at the 3x policy 6.9-7.2 ms against 7.4-7.7; on
+        the AVX2 test host W8A8 measured faster (1.6 against 2.1 ms). A head without its int4
+        copy (w8a8 models) gets one made from the int8 codes (``(N, K / 2)`` bytes, about 14 MB
+        for SmolLM2), kept only if it wins. Either way the candidates get the int8 head's
+        logits, so greedy tokens follow the int8 head as before (the int4 preview's top 64 held
+        the int8 head's top-1 at 4175 of 4175 positions of the embedded model's E2E answers).
+
+        Args:
+            measure: ``measure(fn) -> seconds`` for one call of ``fn``; default: the median of 7
+                calls, each after writing a 64 MB buffer (evicting the caches), by
+                ``time.perf_counter``.
+
+        Returns:
+            ``{"w8a8": ms, "int4": ms}`` (milliseconds per call); {} where there is nothing to
+            choose (no W8A8 preview, or no int4 kernel here), leaving the head unchanged.
+        """
+        from .quantize import Int4Linear
+
+        if self.row_preview is None:
+            return {}
+        made = self.preview is None
+        if made:
+            self.preview = Int4Linear(self.exact.dequantized(), self.exact.bias)
+        if not self.preview.kernel:  # the fallback layout dequantizes every call: never faster
+            if made:
+                self.preview = None
+            return {}
+        x = torch.randn(1, self.in_features, generator=torch.Generator().manual_seed(0))
+        measure = measure or _flushed_median
+        times = {"w8a8": 1e3 * measure(lambda: self.row_preview(x[:, None, :])),
+                 "int4": 1e3 * measure(lambda: self.preview(x))}
+        self.one_row_preview = min(times, key=times.get)
+        if made and self.one_row_preview != "int4":
+            self.preview = None
+        return times
 
     def rescore(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Int8 logits of the candidates: ``x`` (M, K), ``idx`` (M, k) vocabulary ids -> (M, k).
@@ -140,6 +195,21 @@ class RescoredHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, candidates={self.candidates}"
+
+
+def _flushed_median(fn: Callable[[], Any], calls: int = 7, flush_bytes: int = 64 << 20) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` (after one untimed call), each after writing
+    ``flush_bytes`` of memory so that the weights ``fn`` reads come from memory, as in a decode
+    step whose layers have just been read."""
+    buf = torch.zeros(flush_bytes // 4)
+    fn()
+    times = []
+    for _ in range(calls):
+        buf.add_(1.0)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _row_preview(exact: nn.Module) -> nn.Module | None:
