@@ -21,13 +21,15 @@ Activation rounding costs accuracy: about 1.6 % relative error per product on Ga
 against 0.75 % for weight-only int8 (measured; the quality table is in docs/quantization.md).
 A decode step runs at int8's memory traffic. With ``compile=True`` each layer also gets a copy
 of its codes in oneDNN's layout (:meth:`W8A8Linear.enable_onednn`), through which products of
-:data:`ONEDNN_MIN_ROWS` or more rows (prefills) run: the same integers, 15-35 % faster than
-FBGEMM's at 64-448 rows on the AVX-512 test host, for N x K more bytes.
+:data:`ONEDNN_MIN_ROWS` or more rows (prefills) run: the same integers, 8-35 % faster than
+FBGEMM's at 64-448 rows on the AVX-512 test host (whole prefills 0-11 % faster, as the host
+varies), for N x K more bytes.
 
 The product is the custom op ``skipdecode::w8a8_linear`` so that compiled layer graphs
 (``load(..., compile=True)``) keep it as one opaque call without a graph break (FBGEMM's packed
-weights are a TorchScript object, oneDNN's an opaque tensor, neither of which dynamo can pass; the op finds them by a per-layer key held
-in a 0-dimensional buffer, so every layer shares one graph). CPU only: FBGEMM has no GPU kernels.
+weights are a TorchScript object, oneDNN's an opaque tensor, neither of which dynamo can pass;
+the op finds them by a per-layer key held in a 0-dimensional buffer, so every layer shares one
+graph). CPU only: FBGEMM has no GPU kernels.
 """
 
 from __future__ import annotations
@@ -127,9 +129,9 @@ _LIB.define("w8a8_linear(Tensor codes, Tensor key, Tensor scale) -> Tensor")
 
 
 def w8a8_linear(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The integer product of ``codes`` (M, K, 7-bit codes, float32 or uint8) with the int8 weight of the layer that
-    ``key`` (0-dim int64) names (:meth:`W8A8Linear._matmul`): (M, N) float32; ``scale`` (N,)
-    gives N. The CPU kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows`
+    """The integer product of ``codes`` (M, K, 7-bit codes, float32 or uint8) with the int8
+    weight of the layer that ``key`` (0-dim int64) names (:meth:`W8A8Linear._matmul`): (M, N)
+    float32; ``scale`` (N,) gives N. The CPU kernel of the operator ``torch.ops.skipdecode.w8a8_linear`` (:func:`_rows`
     makes the codes); the row count is decided here, inside the opaque op, so a compiled graph
     holds no guard on it."""
     return _LAYERS[int(key)]._matmul(codes)
