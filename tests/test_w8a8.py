@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from skipdecode import w8a8
+from skipdecode.cache import SkipCache
 from skipdecode.engine import Engine, Request
+from skipdecode.forward import skip_forward
 from skipdecode.loading import LoadError, load
 from skipdecode.model import SkipModel
 from skipdecode.quantize import QuantizeError, quantize_model, quantized_mode, resident_bytes
@@ -197,6 +199,18 @@ def test_inflight_rows_equal_solo_and_compiled_equals_eager(tmp_path, tokenizer,
     calls = _count_onednn(monkeypatch)
     assert compiled.generate([long_prompt], max_new_tokens=4).token_ids == want
     assert calls and min(calls) >= w8a8.ONEDNN_MIN_ROWS and compiled.compile_report.prefill
+    # with gradients on (a caller without torch.no_grad) layer calls and the head run eagerly,
+    # and compiled decode steps stay on: the custom products have no autograd formula
+    outs = []
+    for sk in (eager, compiled):
+        cache = SkipCache(sk.adapter.num_layers, capacity=8)
+        with torch.enable_grad():
+            skip_forward(sk.adapter, torch.tensor([[5, 6, 7]]), torch.ones((1, 3), dtype=torch.long), cache=cache)
+            outs.append(skip_forward(sk.adapter, torch.tensor([[8]]), torch.ones((1, 4), dtype=torch.long), cache=cache))
+    assert compiled.compile_report.enabled, compiled.compile_report.error
+    # (the rest of the logits are each head's preview, which may differ: RescoredHead.tune_one_row)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+    assert torch.allclose(outs[0].amax(-1), outs[1].amax(-1), atol=1e-4)
     prompts = [tokenizer(p)["input_ids"] for p in ("The Eagle is", "Summarize the article. The quick", "A")]
     plans = [None, eager.policy_for(speedup=2.0, horizon=4), eager.policy_for(speedup=3.0, horizon=4)]
     solo = [eager.generate([p], max_new_tokens=6, policy=plan).token_ids[0] for p, plan in zip(prompts, plans)]

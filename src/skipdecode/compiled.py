@@ -258,6 +258,8 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
         if hidden.shape[1] > 1:
             return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
+        if torch.is_grad_enabled():  # the graphs are for inference (the custom products have no
+            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)  # derivative)
         layer_idx = index_of.get(id(layer))
         write = None
         if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
@@ -388,7 +390,7 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
 
     Sets an instance attribute ``head`` that shadows the class method, so :func:`skip_forward`
     (which calls ``adapter.head``) is unchanged; more than one position (teacher forcing, a
-    full-sequence prefill) runs the eager head.
+    full-sequence prefill) and calls with gradients on run the eager head.
     """
     from .rescored_head import RescoredHead
 
@@ -401,7 +403,7 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
     compiled = torch.compile(type(adapter).head, backend=backend, dynamic=None)
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[1] != 1 or not report.enabled:
+        if hidden.shape[1] != 1 or not report.enabled or torch.is_grad_enabled():
             return eager_head(hidden)
         try:
             return compiled(adapter, hidden.contiguous())  # the prefill passes a strided last-position view
