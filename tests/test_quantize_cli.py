@@ -213,3 +213,17 @@ def test_bad_dtype_names_the_option(runner, chain_dir, command):
     res = invoke(runner, args)
     assert res.exit_code == 2
     assert "--dtype must be float32, bfloat16 or float16 (or fp32, bf16, fp16), got 'float64'" in " ".join(res.output.split())
+
+
+def test_compile_summary_names_the_copies_and_the_head_preview():
+    from skipdecode.cli_common import compile_summary
+    from skipdecode.compiled import CompileReport
+
+    rep = CompileReport(enabled=True, mode="layers", compile_seconds=61.25, warmed_batch_sizes=[1, 2],
+                        onednn_layers=120, head_one_row={"chosen": "int4", "w8a8": 1.2, "int4": 0.9})
+    assert compile_summary(rep) == ("compiled the decode step (layers) in 61.2 s (first calls, batch 1 and 2; "
+                                    "120 linears with oneDNN copies; batch-1 head preview int4)")
+    plain = CompileReport(enabled=True, mode="kernels", compile_seconds=3.0, warmed_batch_sizes=[1])
+    assert compile_summary(plain) == "compiled the decode step (kernels) in 3.0 s (first calls, batch 1)"
+    off = CompileReport(enabled=False, error="no C compiler")
+    assert compile_summary(off) == "--compile: compilation unavailable, running eagerly (no C compiler)"

@@ -138,7 +138,9 @@ def stop_from_options(stop) -> list:
 
 QUANTIZE_HELP = "Quantized decoder linears and LM head: int8 or int4 (weight-only), or w8a8 (int8 weights and per-token int8 activations, CPU; the fastest int8 on CPUs without AVX-512) (default: float weights; docs/quantization.md)."
 COMPILE_HELP = ("torch.compile the decode step: the fused int8 products with --quantize int8, else every decoder-layer "
-                "call (compile time is reported separately; falls back to eager where unavailable).")
+                "call (compile time is reported separately; falls back to eager where unavailable). Costs memory "
+                "for oneDNN copies of the weights: float32 doubles them, w8a8 adds about half "
+                "(docs/quantization.md).")
 
 COHORT_HELP = ("Waiting {what} join the running rows only in cohorts of at least this many (1: at once; larger: "
                "rows sit at fewer decode steps, so a step runs fewer layers; docs/inflight-batching.md).")
@@ -222,15 +224,26 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
                       adapter=adapter)
     except (LoadError, UnsupportedArchitectureError) as e:
         fail(str(e))
-    report = sk.compile_report
-    if report is not None:
-        if report.enabled:
-            sizes = " and ".join(str(b) for b in report.warmed_batch_sizes)
-            err.print(f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s "
-                      f"(first calls, batch {sizes})", markup=False)
-        else:
-            err.print(f"--compile: compilation unavailable, running eagerly ({report.error})", markup=False)
+    if sk.compile_report is not None:
+        err.print(compile_summary(sk.compile_report), markup=False)
     return sk
+
+
+def compile_summary(report) -> str:
+    """The one line ``--compile`` prints after loading, from a
+    :class:`~skipdecode.compiled.CompileReport`: mode, warm-up seconds and batch sizes, the
+    linears given oneDNN copies and the LM head's batch-1 preview when there are any; or why
+    it runs eagerly."""
+    if not report.enabled:
+        return f"--compile: compilation unavailable, running eagerly ({report.error})"
+    sizes = " and ".join(str(b) for b in report.warmed_batch_sizes)
+    extras = []
+    if report.onednn_layers:
+        extras.append(f"{report.onednn_layers} linears with oneDNN copies")
+    if report.head_one_row:
+        extras.append(f"batch-1 head preview {report.head_one_row['chosen']}")
+    return (f"compiled the decode step ({report.mode}) in {report.compile_seconds:.1f} s "
+            f"(first calls, batch {sizes}" + "".join(f"; {e}" for e in extras) + ")")
 
 
 def command_line(ctx: typer.Context) -> str:
