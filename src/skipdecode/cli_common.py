@@ -139,7 +139,7 @@ def stop_from_options(stop) -> list:
 QUANTIZE_HELP = "Quantized decoder linears and LM head: int8 or int4 (weight-only), or w8a8 (int8 weights and per-token int8 activations, CPU; the fastest int8 on CPUs without AVX-512) (default: float weights; docs/quantization.md)."
 COMPILE_HELP = ("torch.compile the decode step: the fused int8 products with --quantize int8, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable). Costs memory "
-                "for oneDNN copies of the weights: float32 doubles them, w8a8 adds about half "
+                "for oneDNN copies of the weights: float32 doubles them, w8a8 adds about 40 % "
                 "(docs/quantization.md).")
 
 COHORT_HELP = ("Waiting {what} join the running rows only in cohorts of at least this many (1: at once; larger: "
