@@ -253,13 +253,11 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
+        if hidden.shape[1] > 1:
+            return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        if hidden.shape[1] > 1:
-            return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
-        if torch.is_grad_enabled():  # the graphs are for inference (the custom products have no
-            return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)  # derivative)
         layer_idx = index_of.get(id(layer))
         write = None
         if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
@@ -294,7 +292,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         prefill) runs eagerly once and teaches it. A failure turns compiled prefill off for good
         and reruns the call eagerly; the decode steps stay compiled."""
         layer_idx = index_of.get(id(layer))
-        if not report.prefill or layer_idx is None or not isinstance(cache, SkipCache) or torch.is_grad_enabled():
+        if not report.prefill or layer_idx is None or not isinstance(cache, SkipCache):
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
         write = cache.decode_write(layer_idx, hidden.shape[0], hidden.shape[1], kv_like.get(layer_idx))
         if write is None or write.key_length != attention_mask.shape[-1]:

@@ -150,10 +150,10 @@ class Adapter:
         """
         kwargs = dict(extra)
         call = call_layer
-        if self.compiled_layer_call is not None and (
-            hidden.shape[1] == 1 or (cache is not None and not torch.is_grad_enabled())
-        ):  # decode steps, and prefills (:mod:`skipdecode.compiled`); never training
-            call = self.compiled_layer_call
+        if self.compiled_layer_call is not None and not torch.is_grad_enabled() and (
+            hidden.shape[1] == 1 or cache is not None
+        ):  # decode steps and prefills (:mod:`skipdecode.compiled`), inference only: the compiled
+            call = self.compiled_layer_call  # graphs' custom products have no derivative
         return call(self.layers[layer_idx], hidden, attention_mask, cache, self._cache_kw, kwargs)
 
     def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
