@@ -46,7 +46,9 @@ import torch
 import torch.fx.experimental._config  # use_duck_shape (compiled prefill)
 
 from .adapters.base import Adapter, call_layer
+from . import guard_memo
 from .cache import SkipCache
+from .guard_memo import GuardMemo, signature
 
 __all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
 
@@ -87,10 +89,18 @@ class CompileReport:
     prefill: bool = False
     prefill_error: str = ""
     head_one_row: dict[str, Any] = field(default_factory=dict)
+    memos: list = field(default_factory=list, repr=False)
+
+    def guard_checks(self) -> dict[str, int]:
+        """Compiled decode-step calls so far (layer calls and heads): ``checked`` went through
+        dynamo's guard check, ``direct`` skipped it (:mod:`skipdecode.guard_memo`)."""
+        return {"checked": sum(m.checked for m in self.memos), "direct": sum(m.direct for m in self.memos)}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable copy."""
-        return dict(self.__dict__)
+        """JSON-serialisable copy (with :meth:`guard_checks`)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "memos"}
+        out["guard_checks"] = self.guard_checks()
+        return out
 
 
 def _one_line(exc: BaseException) -> str:
@@ -234,11 +244,13 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         for m in quantized:
             m.compiled_kernel = m.fuses_when_compiled  # int4 with PyTorch's kernel: stays on it
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
+    report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
-    traced = torch.compile(_decode_layer, backend=backend, dynamic=None)
+    memo = guard_memo.available()
+    traced = GuardMemo(_decode_layer, torch.compile(_decode_layer, backend=backend, dynamic=None))
+    report.memos.append(traced)
     traced_prefill = torch.compile(_prefill_layer, backend=backend, dynamic=None)
     limit = 2 * adapter.num_layers + 8
-    report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
     index_of = _layer_indices(adapter)
     # made once: entering a ready patch costs about 15 us a layer call, building one 34 us
     # (measured on the AVX2 test CPU; 31 layer calls a full-depth step)
@@ -265,15 +277,21 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         # only an eager write can change the lengths before a failure (the traced one commits after)
         lengths = cache.snapshot_lengths() if cache is not None and write is None else None
         try:
-            with limits:
-                if write is None:
-                    wrapped = None if cache is None else _EagerCacheWrite(cache)
-                    return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
-                _mark_dynamic(hidden, attention_mask, extra, write, prefill=False)
-                out = traced(layer, hidden, attention_mask, write.keys, write.values, write.key_length,
-                             write.slots, write.positions, cache_kw, extra)
+            if write is not None:
+                args = (layer, hidden, attention_mask, write.keys, write.values, write.key_length, write.slots,
+                        write.positions, cache_kw, extra)
+                key = signature(layer, args[1:]) if memo else None
+                if key is not None and traced.memo.get(key) is not None:  # inputs dynamo checked before
+                    out = traced(key, *args)
+                else:
+                    with limits:
+                        _mark_dynamic(hidden, attention_mask, extra, write, prefill=False)
+                        out = traced(key, *args)
                 cache.commit_decode_write(layer_idx, write)
                 return out
+            with limits:
+                wrapped = None if cache is None else _EagerCacheWrite(cache)
+                return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
         except Exception as exc:  # compilation failed at run time: fall back for good
             report.enabled = False
             report.error = _one_line(exc)
@@ -398,13 +416,17 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
             if times:
                 report.head_one_row = {"chosen": module.one_row_preview, **times}
     eager_head = adapter.head
-    compiled = torch.compile(type(adapter).head, backend=backend, dynamic=None)
+    fn = type(adapter).head
+    compiled = GuardMemo(fn, torch.compile(fn, backend=backend, dynamic=None))
+    report.memos.append(compiled)
+    memo = guard_memo.available()
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[1] != 1 or not report.enabled or torch.is_grad_enabled():
             return eager_head(hidden)
         try:
-            return compiled(adapter, hidden.contiguous())  # the prefill passes a strided last-position view
+            hidden = hidden.contiguous()  # the prefill passes a strided last-position view
+            return compiled(signature(adapter.model, (hidden,)) if memo else None, adapter, hidden)
         except Exception as exc:
             report.enabled = False
             report.error = _one_line(exc)

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import guard_memo
+
 __all__ = ["LowRankLinear", "PrefillSwitch", "base_prefill", "base_rows", "narrow_rows", "has_decode_only_adapter", "read_lora", "attach_lora",
            "LoraFormatError", "LORA_WEIGHTS", "PACKED_LORA_WEIGHTS", "lora_weights_file", "read_lora_tensors"]
 
@@ -367,4 +369,5 @@ def attach_lora(model: nn.Module, path: str | os.PathLike, *, merged: bool = Fal
         _attach_group(members, merged, switch)
     if switch is not None:
         object.__setattr__(model, SWITCH_ATTR, switch)  # a plain attribute, not a submodule
+    guard_memo.invalidate()  # new modules: compiled calls must be checked again
     return len(deltas)

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import guard_memo
+
 __all__ = ["MIN_ROWS", "available", "disable", "enable", "onednn_linear", "packed_nbytes"]
 
 #: fewest rows a product needs to go to oneDNN (fewer: the weight-first or one-row paths)
@@ -152,6 +154,7 @@ def enable(model: nn.Module) -> int:
         _pack(module)
         module.onednn = True
         count += 1
+    guard_memo.invalidate()  # compiled graphs branch on the flags
     return count
 
 
@@ -169,6 +172,7 @@ def disable(model: nn.Module) -> int:
             module._onednn_packed = None
             module.onednn = False
             count += 1
+    guard_memo.invalidate()
     return count
 
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import guard_memo
 from .selection import topk_indices
 
 __all__ = ["RESCORE_CANDIDATES", "RESCORE_MAX_ROWS", "RescoredHead"]
@@ -161,6 +162,7 @@ class RescoredHead(nn.Module):
         times = {"w8a8": 1e3 * measure(lambda: self.row_preview(x[:, None, :])),
                  "int4": 1e3 * measure(lambda: self.preview(x))}
         self.one_row_preview = min(times, key=times.get)
+        guard_memo.invalidate()  # a compiled head branches on it
         if made and self.one_row_preview != "int4":
             self.preview = None
         return times

@@ -43,6 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import guard_memo
+
 __all__ = ["W8A8Linear", "check_usable", "fbgemm_available", "w8a8_linear"]
 
 #: key -> layer, for the custom op to find the packed weights (weak: a freed layer leaves)
@@ -268,12 +270,14 @@ class W8A8Linear(nn.Module):
         self.onednn_packed = torch.ops.onednn.qlinear_prepack(self.codes(), None)
         self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.onednn = True
+        guard_memo.invalidate()  # compiled graphs branch on the flag
         return True
 
     def disable_onednn(self) -> None:
         """Drop the oneDNN copy (products go to FBGEMM at every row count)."""
         self.onednn_packed = None
         self.onednn = False
+        guard_memo.invalidate()
 
     def dequantized(self) -> torch.Tensor:
         """The int8 weight as floats, ``q * scale``: (N, K) float32."""

@@ -1,0 +1,116 @@
+"""Compiled decode-step calls that skip dynamo's guard check for inputs it already checked
+(:mod:`skipdecode.guard_memo`): same tokens and logits as eager, the check skipped for most calls,
+layers that differ kept apart, changes seen after ``invalidate``, graph breaks never memoised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from skipdecode import guard_memo
+from skipdecode.compiled import compile_adapter, warm_up
+from skipdecode.guard_memo import GuardMemo, signature
+from skipdecode.lowrank import PrefillSwitch
+from skipdecode.model import SkipModel
+
+from conftest import make_model
+from test_compiled import assert_equal_runs
+
+
+def _pair(tokenizer, change=None, num_layers=4):
+    """An eager and a compiled (aot_eager, warmed up) tiny llama; ``change(model)`` first."""
+    torch._dynamo.reset()
+    models = [make_model("llama", num_layers), make_model("llama", num_layers)]
+    if change is not None:
+        for m in models:
+            change(m)
+    eager, compiled = (SkipModel(m, tokenizer) for m in models)
+    report = warm_up(compiled, compile_adapter(compiled.adapter, backend="aot_eager"), (2,))
+    assert report.enabled, report.error
+    return eager, compiled, report
+
+
+def test_memoised_calls_equal_eager_and_skip_most_checks(tokenizer):
+    eager, compiled, report = _pair(tokenizer)
+    before = report.guard_checks()
+    assert_equal_runs(eager, compiled)
+    after = report.guard_checks()
+    direct, checked = after["direct"] - before["direct"], after["checked"] - before["checked"]
+    # 2 runs x 8 tokens x (<= 4 layers + head): each step checks its first call of a key length
+    assert direct > checked > 0
+    assert report.to_dict()["guard_checks"] == after
+
+
+def _gelu_in_layer_one(model):
+    model.model.layers[1].mlp.act_fn = nn.GELU()
+
+
+def test_layers_of_another_structure_get_their_own_compiled_code(tokenizer):
+    """Layer 1's activation differs: its calls must not run the code compiled for the others."""
+    eager, compiled, report = _pair(tokenizer, _gelu_in_layer_one)
+    assert_equal_runs(eager, compiled)
+    assert report.guard_checks()["direct"] > 0
+
+
+def test_invalidate_makes_a_changed_layer_checked_again(tokenizer):
+    eager, compiled, report = _pair(tokenizer)
+    assert_equal_runs(eager, compiled)  # memo filled for four identical layers
+    for sk in (eager, compiled):
+        _gelu_in_layer_one(sk.model)
+    guard_memo.invalidate()
+    assert_equal_runs(eager, compiled)
+
+
+def test_signature_tells_apart_what_a_guard_can_read():
+    layer = nn.Linear(4, 4).eval()
+    x = torch.randn(2, 4)
+    key = signature(layer, (x, 3, None))
+    assert key == signature(layer, (torch.randn(2, 4), 3, None))  # values of tensors do not matter
+    assert key != signature(layer, (torch.randn(3, 4), 3, None))  # sizes
+    assert key != signature(layer, (torch.randn(4, 2).t(), 3, None))  # strides
+    assert key != signature(layer, (x.double(), 3, None))  # dtype
+    assert key != signature(layer, (x, 4, None))  # plain values
+    assert key != signature(layer, (x, True, None))  # ... and their types
+    assert key != signature(nn.Linear(4, 5).eval(), (x, 3, None))  # another structure
+    layer.train()
+    assert key != signature(layer, (x, 3, None))
+    layer.eval()
+    with torch.inference_mode():
+        assert key != signature(layer, (x, 3, None))
+    assert signature(layer, (object(),)) is None  # nothing it can describe: always checked
+
+
+def test_signature_follows_the_prefill_switch_and_invalidate():
+    layer = nn.Sequential(nn.Linear(4, 4))
+    layer[0].switch = PrefillSwitch()
+    x = torch.randn(1, 4)
+    key = signature(layer, (x,))
+    layer[0].switch.base = True
+    assert signature(layer, (x,)) != key
+    layer[0].switch.base = False
+    assert signature(layer, (x,)) == key
+    guard_memo.invalidate()
+    assert signature(layer, (x,)) != key  # the epoch is part of every key
+
+
+def _with_break(x):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def _plain(x):
+    return x * 2 + 1
+
+
+@pytest.mark.parametrize("fn,memoised", [(_with_break, False), (_plain, True)])
+def test_only_code_without_graph_breaks_is_memoised(fn, memoised):
+    torch._dynamo.reset()
+    memo = GuardMemo(fn, torch.compile(fn, backend="eager"))
+    x = torch.arange(3.0)
+    key = signature(nn.Identity(), (x,))
+    for _ in range(3):
+        assert torch.equal(memo(key, x), x * 2 + 1)
+    assert (memo.direct, memo.checked) == ((2, 1) if memoised else (0, 3))
+    assert torch.equal(memo(None, x), x * 2 + 1) and memo.checked == (2 if memoised else 4)  # no key: checked
