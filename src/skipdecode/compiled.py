@@ -30,6 +30,10 @@ raised to ``2 * num_layers + 8`` for these calls only.
 With :mod:`skipdecode.quantize` weights, the compiled region fuses each weight-only product into one
 loop (the fast int8/int4 path).
 
+Decode-step layer calls and the head run through a :class:`~skipdecode.guard_memo.GuardMemo`: a
+call whose inputs match, in everything a guard can read, a call dynamo checked before runs the
+compiled code dynamo chose then, without the check (about 90 us a call on the test host).
+
 First-call compile time is paid by :func:`warm_up` (run by ``load(compile=True)`` and by the
 benchmark before any timing) and reported by it, never inside step timings. Where compilation is
 unavailable (no C compiler, an unsupported platform, a dynamo error), :func:`compile_adapter`
