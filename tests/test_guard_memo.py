@@ -114,3 +114,12 @@ def test_only_code_without_graph_breaks_is_memoised(fn, memoised):
         assert torch.equal(memo(key, x), x * 2 + 1)
     assert (memo.direct, memo.checked) == ((2, 1) if memoised else (0, 3))
     assert torch.equal(memo(None, x), x * 2 + 1) and memo.checked == (2 if memoised else 4)  # no key: checked
+
+
+def test_without_dynamos_cache_list_every_call_is_checked(tokenizer, monkeypatch):
+    """Where the private cache-list helper is missing (another PyTorch), nothing is memoised."""
+    monkeypatch.setattr(guard_memo, "available", lambda: False)
+    eager, compiled, report = _pair(tokenizer)
+    assert_equal_runs(eager, compiled)
+    checks = report.guard_checks()
+    assert checks["direct"] == 0 and checks["checked"] > 0
