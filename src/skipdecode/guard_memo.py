@@ -162,6 +162,9 @@ class GuardMemo:
         self.direct = 0
 
     def __call__(self, key: tuple | None, *args: Any) -> Any:
+        """Run the compiled function on ``args``: directly when ``key`` (from :func:`signature`,
+        built from the same ``args``) was memoised, else through dynamo (which may compile).
+        Returns what the function returns; raises what dynamo or the function raise."""
         if key is not None:
             if self.epoch != _EPOCH[0]:
                 self.memo.clear()
