@@ -81,6 +81,8 @@ class CompileReport:
             batch-1 step takes and both times, e.g. ``{"chosen": "int4", "w8a8": 1.3, "int4":
             1.0}`` (milliseconds; :meth:`~skipdecode.rescored_head.RescoredHead.tune_one_row`);
             {} otherwise.
+        memos: the :class:`~skipdecode.guard_memo.GuardMemo` of the decode-step layer call and
+            of the head (mode "layers"); not serialised, counted by :meth:`guard_checks`.
     """
 
     enabled: bool
