@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from skipdecode import guard_memo
-from skipdecode.compiled import compile_adapter, warm_up
+from skipdecode.compiled import compile_adapter
 from skipdecode.guard_memo import GuardMemo, signature
 from skipdecode.lowrank import PrefillSwitch
 from skipdecode.model import SkipModel
@@ -19,14 +19,15 @@ from test_compiled import assert_equal_runs
 
 
 def _pair(tokenizer, change=None, num_layers=4):
-    """An eager and a compiled (aot_eager, warmed up) tiny llama; ``change(model)`` first."""
+    """An eager and a compiled (aot_eager; variants compile on first use, no warm-up) tiny llama;
+    ``change(model)`` first."""
     torch._dynamo.reset()
     models = [make_model("llama", num_layers), make_model("llama", num_layers)]
     if change is not None:
         for m in models:
             change(m)
     eager, compiled = (SkipModel(m, tokenizer) for m in models)
-    report = warm_up(compiled, compile_adapter(compiled.adapter, backend="aot_eager"), (2,))
+    report = compile_adapter(compiled.adapter, backend="aot_eager")
     assert report.enabled, report.error
     return eager, compiled, report
 
