@@ -36,13 +36,15 @@ VARIANTS = {"float32": None, "w8a8": "w8a8", "int4": "int4"}
 
 def measure(quantize: str | None, speedup: float, repeats: int, new_tokens: int) -> list[dict]:
     """Rows ``{variant, policy, memo, step_ms_runs, step_ms, mean_layers}`` for one variant."""
-    import skipdecode.compiled as compiled
     from skipdecode import load
     from skipdecode.policy import FullPolicy
 
     sk = load(None, adapter=False, quantize=quantize, compile=True)
-    real = compiled.signature
-    off = lambda *args: None  # noqa: E731  (no key: every call through dynamo)
+    memos = sk.compile_report.memos
+
+    def use_memo(on: bool) -> None:  # off: no keys, every call through dynamo's check
+        for m in memos:
+            m.enabled = on
     policies = {"full": FullPolicy(sk.adapter.num_layers), f"{speedup:g}x": sk.policy_for(speedup=speedup)}
     times = {(m, p): [] for m in ("on", "off") for p in policies}
     layers = {}
@@ -52,18 +54,18 @@ def measure(quantize: str | None, speedup: float, repeats: int, new_tokens: int)
         return 1e3 * stats["decode_seconds"] / stats["decode_steps"], stats["mean_active_layers"]
 
     try:
-        for setting in (real, off):  # untimed: both paths compiled and memoised
-            compiled.signature = setting
+        for on in (True, False):  # untimed: both paths compiled and memoised
+            use_memo(on)
             for policy in policies.values():
                 step(policy)
         for r in tqdm(range(repeats), desc=f"{quantize or 'float32'}: rounds", file=sys.stderr):
             for memo in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                compiled.signature = real if memo == "on" else off
+                use_memo(memo == "on")
                 for name, policy in policies.items():
                     ms, layers[name] = step(policy)
                     times[(memo, name)].append(ms)
     finally:
-        compiled.signature = real
+        use_memo(True)
     return [{"variant": quantize or "float32", "policy": p, "memo": m, "mean_layers": layers[p],
              "step_ms_runs": v, "step_ms": statistics.median(v)} for (m, p), v in times.items()]
 

@@ -50,9 +50,8 @@ import torch
 import torch.fx.experimental._config  # use_duck_shape (compiled prefill)
 
 from .adapters.base import Adapter, call_layer
-from . import guard_memo
 from .cache import SkipCache
-from .guard_memo import GuardMemo, signature
+from .guard_memo import GuardMemo
 
 __all__ = ["COMPILE_MODES", "CompileReport", "compile_adapter", "resolve_mode", "warm_up", "compile_available"]
 
@@ -252,7 +251,6 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
-    memo = guard_memo.available()
     traced = GuardMemo(_decode_layer, torch.compile(_decode_layer, backend=backend, dynamic=None))
     report.memos.append(traced)
     traced_prefill = torch.compile(_prefill_layer, backend=backend, dynamic=None)
@@ -286,8 +284,8 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             if write is not None:
                 args = (layer, hidden, attention_mask, write.keys, write.values, write.key_length, write.slots,
                         write.positions, cache_kw, extra)
-                key = signature(layer, args[1:]) if memo else None
-                if key is not None and traced.memo.get(key) is not None:  # inputs dynamo checked before
+                key = traced.key(layer, args[1:])
+                if traced.ready(key):  # inputs dynamo checked before
                     out = traced(key, *args)
                 else:
                     with limits:
@@ -425,14 +423,13 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
     fn = type(adapter).head
     compiled = GuardMemo(fn, torch.compile(fn, backend=backend, dynamic=None))
     report.memos.append(compiled)
-    memo = guard_memo.available()
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[1] != 1 or not report.enabled or torch.is_grad_enabled():
             return eager_head(hidden)
         try:
             hidden = hidden.contiguous()  # the prefill passes a strided last-position view
-            return compiled(signature(adapter.model, (hidden,)) if memo else None, adapter, hidden)
+            return compiled(compiled.key(adapter.model, (hidden,)), adapter, hidden)
         except Exception as exc:
             report.enabled = False
             report.error = _one_line(exc)

@@ -145,7 +145,7 @@ class GuardMemo:
         fn: the plain Python function that was compiled (its code object keys dynamo's cache).
         compiled: ``torch.compile(fn, ...)``.
 
-    Call it as ``memo(key, *args)`` with ``key`` from :func:`signature` (None: always checked).
+    Call it as ``memo(key, *args)`` with ``key`` from :meth:`key` (None: always checked).
     ``checked`` and ``direct`` count the calls that went through dynamo and those that did not.
     Checked calls hold one process-wide lock, so that the entry read after a call is the one that
     call ran, whichever threads use compiled models.
@@ -156,10 +156,20 @@ class GuardMemo:
         self.globals = fn.__globals__
         self.name = fn.__name__
         self.compiled = compiled
+        self.enabled = available()  # read once: without dynamo's cache list, no keys
         self.memo: dict[tuple, Callable | None] = {}
         self.epoch = _EPOCH[0]
         self.checked = 0
         self.direct = 0
+
+    def key(self, module: nn.Module, args: tuple) -> tuple | None:
+        """:func:`signature` of a call, or None (always checked) where the memo is unavailable."""
+        return signature(module, args) if self.enabled else None
+
+    def ready(self, key: tuple | None) -> bool:
+        """Whether a call with ``key`` would skip the check (callers then skip their own
+        compile-time preparation too)."""
+        return key is not None and self.memo.get(key) is not None
 
     def __call__(self, key: tuple | None, *args: Any) -> Any:
         """Run the compiled function on ``args``: directly when ``key`` (from :func:`signature`,
