@@ -37,7 +37,7 @@ def invoke(runner, args):
     return runner.invoke(app, args, env={"COLUMNS": "200"})
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "head"])
 def test_generate_quantized_same_text(runner, chain_dir, mode):
     res = invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "12", "--json", "--no-chat",
                           "--quantize", mode])
@@ -49,7 +49,7 @@ def test_generate_quantized_same_text(runner, chain_dir, mode):
 def test_bad_quantize_exits_2_naming_option(runner, chain_dir, command):
     res = invoke(runner, [*command, "--model", str(chain_dir), "--quantize", "int3"])
     assert res.exit_code == 2
-    assert "--quantize must be one of int8, int4, w8a8, got 'int3'" in " ".join(res.output.split())
+    assert "--quantize must be one of int8, int4, w8a8, head, got 'int3'" in " ".join(res.output.split())
 
 
 def test_bench_variants_rows_and_floors(runner, chain_dir, tmp_path):
@@ -78,7 +78,7 @@ def test_bench_variants_rows_and_floors(runner, chain_dir, tmp_path):
 
 def test_bench_bad_variants(runner, chain_dir):
     res = invoke(runner, ["bench", "--model", str(chain_dir), "--variants", "int8+jit"])
-    assert res.exit_code == 2 and "--variants items must be float32, int8, int4 or w8a8" in res.output
+    assert res.exit_code == 2 and "--variants items must be float32, int8, int4, w8a8" in res.output
     res = invoke(runner, ["bench", "--model", str(chain_dir), "--variants", "int8", "--quantize", "int8"])
     assert res.exit_code == 2 and "either --variants or --quantize" in res.output
 

@@ -48,8 +48,8 @@ __all__ = [
 def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
     """``"float32,int8+compile"`` -> ``[("float32", None, False), ("int8+compile", "int8", "auto")]``.
 
-    Each item is a weight format (float32, int8, int4, w8a8; a quantized one optionally
-    ``-unfused``: one product per projection instead of fused q/k/v and gate/up,
+    Each item is a weight format (float32, int8, int4, w8a8, or head: the LM head alone; int8,
+    int4 and w8a8 optionally ``-unfused``: one product per projection instead of fused q/k/v and gate/up,
     :func:`variant_fuse`) with an optional ``+compile`` (compile mode "auto": the fused int8
     products, or the layer calls of a float32 or int4 model) or ``+compile-layers`` (mode
     "layers": every decoder-layer call); or ``bfloat16`` (the model's float weights cast to
@@ -63,13 +63,13 @@ def parse_variants(text: str) -> list[tuple[str, str | None, bool | str]]:
         if not item:
             continue
         base, _, suffix = item.partition("+")
-        if base.removesuffix("-unfused") in QUANTIZE_MODES:  # "-unfused": see variant_fuse
+        if base.removesuffix("-unfused") in QUANTIZE_MODES and base != "head-unfused":  # see variant_fuse
             base = base.removesuffix("-unfused")
         if item != "bfloat16" and (base not in ("float32", *QUANTIZE_MODES)
                                    or suffix not in ("", "compile", "compile-layers")):
             raise ValueError(
-                f"--variants items must be float32, int8, int4 or w8a8 (the quantized ones optionally "
-                f"-unfused), each optionally +compile or +compile-layers, or bfloat16; got {item!r}"
+                f"--variants items must be float32, int8, int4, w8a8 (these three optionally -unfused) or head, "
+                f"each optionally +compile or +compile-layers, or bfloat16; got {item!r}"
             )
         mode = {"": False, "compile": "auto", "compile-layers": "layers"}[suffix]
         out.append((item, None if base in ("float32", "bfloat16") else base, mode))
@@ -135,6 +135,10 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
             cache[key] = copy.deepcopy(sk.model).to(dtype)
         else:
             cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize, fuse=fuse)
+            if quantize == "head":  # float layers, weight-first as load() makes them (quantize_model re-lays them)
+                from .layout import weight_left
+
+                weight_left(cache[key])
     variant = SkipModel(cache[key], sk.tokenizer, policy=sk.policy, chat=sk.chat, source=sk.source,
                         skip_config=sk.skip_config)
     report = None
@@ -256,7 +260,7 @@ def run_variants(
         rows += part["rows"]
         info[name] = {
             "quantize": quantize,
-            "fused_projections": quantize is not None and variant_fuse(name),
+            "fused_projections": quantize not in (None, "head") and variant_fuse(name),
             "compile": compile,
             "dtype": str(next(variant.model.parameters()).dtype).removeprefix("torch."),
             "resident_bytes": resident_bytes(variant.model),

@@ -136,7 +136,7 @@ def stop_from_options(stop) -> list:
         fail(str(e))
 
 
-QUANTIZE_HELP = "Quantized decoder linears and LM head: int8 or int4 (weight-only), or w8a8 (int8 weights and per-token int8 activations, CPU; the fastest int8 on CPUs without AVX-512) (default: float weights; docs/quantization.md)."
+QUANTIZE_HELP = "Quantized decoder linears and LM head: int8 or int4 (weight-only), or w8a8 (int8 weights and per-token int8 activations, CPU; the fastest int8 on CPUs without AVX-512); or head: the LM head alone (int4 preview rescored from int8), float decoder layers (default: float weights; docs/quantization.md)."
 COMPILE_HELP = ("torch.compile the decode step: the fused int8 products with --quantize int8, else every decoder-layer "
                 "call (compile time is reported separately; falls back to eager where unavailable). Costs memory "
                 "for oneDNN copies of the weights: float32 doubles them, w8a8 adds about 40 % "
@@ -176,7 +176,7 @@ def set_threads(threads, default_all_cores: bool = False) -> None:
 
 
 def check_quantize_option(quantize) -> None:
-    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8, int4 or w8a8."""
+    """Exit 2 with a one-line error unless ``--quantize`` is unset, int8, int4, w8a8 or head."""
     from .quantize import QUANTIZE_MODES
 
     if quantize is not None and quantize not in QUANTIZE_MODES:

@@ -20,6 +20,11 @@ Schemes (the weight-only schemes of GPTQ/AWQ-style inference engines and of PyTo
   consecutive input channels, ``W' = (q - 8) * s + z`` with codes ``q`` in [0, 15] (PyTorch's int4
   kernel's convention; ``s`` about ``(max - min) / 15``, ``z = min + 8 s``; each weight moves by at
   most ``s / 2``): :mod:`skipdecode.int4pack`.
+- ``head``: only the LM head is quantized (the int4-rescored head of ``int4``); the decoder
+  layers keep their float weights. The head is the largest single matrix a decode step reads
+  (SmolLM2-135M: 113 MB in float32, 21 % of the weights) and is read at every step whatever the
+  skip policy, so this leaves the layers' arithmetic alone and removes most of the per-step cost
+  that skipping cannot (docs/quantization.md "Quantizing only the LM head").
 
 Kernels. Eagerly, int8 uses ``torch.ops.aten._weight_int8pack_mm`` for up to
 :data:`INT8PACK_MAX_ROWS` rows (PyTorch's weight-only kernel: it reads only the int8 weight, but
@@ -61,7 +66,8 @@ __all__ = [
     "kernel_error",
 ]
 
-QUANTIZE_MODES = ("int8", "int4", "w8a8")
+#: ``quantize`` values: weight formats of the decoder layers and LM head ("head": the LM head only).
+QUANTIZE_MODES = ("int8", "int4", "w8a8", "head")
 #: The LM head's scheme under each mode. A plain 4-bit head of the tied 49152x576 embedding moved
 #: SmolLM2's next-token distribution 26x further (KL per token 0.055 against 0.0021 for int4
 #: decoder layers; top-1 agreement 0.85 against 0.95) and turned the E2E fine-tune's greedy
@@ -72,8 +78,9 @@ QUANTIZE_MODES = ("int8", "int4", "w8a8")
 #: int8 codes, faster than the int4 kernel). w8a8 uses the same head without the 4-bit copy: a
 #: plain W8A8 head moved the next-token distribution 15x further than the int8 head (KL 0.022
 #: against 0.0014, top-1 agreement with float32 0.914 against 0.966; benchmarks/head_quality.py),
-#: the rescored one picks the int8 head's top-1 at every position measured.
-HEAD_MODE = {"int8": "int8", "int4": "int4-rescored", "w8a8": "w8a8-rescored"}
+#: the rescored one picks the int8 head's top-1 at every position measured. "head" (float layers)
+#: takes int4's head.
+HEAD_MODE = {"int8": "int8", "int4": "int4-rescored", "w8a8": "w8a8-rescored", "head": "int4-rescored"}
 #: Input channels sharing one int4 scale and minimum.
 INT4_GROUP_SIZE = 32
 #: Eager int8: rows (batch x tokens) up to which ``_weight_int8pack_mm`` beats dequantize + GEMM.
@@ -89,7 +96,8 @@ class QuantizeError(ValueError):
 
 
 def check_quantize(quantize: Any) -> str | None:
-    """Validate a ``quantize`` option: None (float weights), ``"int8"``, ``"int4"`` or ``"w8a8"``.
+    """Validate a ``quantize`` option: None (float weights), ``"int8"``, ``"int4"``, ``"w8a8"`` or
+    ``"head"`` (:data:`QUANTIZE_MODES`).
 
     Raises:
         QuantizeError: any other value (the message names ``quantize`` and the allowed values).
@@ -362,12 +370,14 @@ def _make(module: nn.Module, mode: str) -> nn.Module:
 def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | None = None,
                    fuse: bool = True) -> nn.Module:
     """Quantize the decoder layers' linears and the LM head of ``model`` in place (the head in
-    :data:`HEAD_MODE` ``[mode]``: int8 for int8, an int4 preview rescored from int8 for int4).
+    :data:`HEAD_MODE` ``[mode]``: int8 for int8, an int4 preview rescored from int8 for int4), or
+    with ``mode="head"`` the LM head alone (int4's head; the decoder layers stay float).
 
     Args:
         model: a Hugging Face ``*ForCausalLM`` with ``get_output_embeddings()``.
         mode: ``"int8"``, ``"int4"``, ``"w8a8"`` (int8 weights and per-token int8 activations on
-            FBGEMM, CPU only: :mod:`skipdecode.w8a8`) or None (returns ``model`` unchanged).
+            FBGEMM, CPU only: :mod:`skipdecode.w8a8`), ``"head"`` (the LM head only) or None
+            (returns ``model`` unchanged).
         layers: the decoder layers (default: from the model's adapter).
         fuse: quantize sibling projections of one input (q/k/v, gate/up) as one product each
             (:mod:`skipdecode.fused_linear`: the same values, fewer kernel calls); False: one
@@ -397,11 +407,12 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not _is_linear(head):
         raise QuantizeError("quantize needs a model with a linear LM head (get_output_embeddings())")
-    if fuse:
-        from .fused_linear import fuse_siblings
+    if mode != "head":  # "head": the decoder layers keep their float weights
+        if fuse:
+            from .fused_linear import fuse_siblings
 
-        fuse_siblings(layers, lambda linear: _make(linear, mode))
-    _quantize_children(layers, mode)
+            fuse_siblings(layers, lambda linear: _make(linear, mode))
+        _quantize_children(layers, mode)
     new_head = _make(head, HEAD_MODE[mode])
     model.set_output_embeddings(new_head)
     # the head no longer shares the input embedding's storage: never re-tie it (tie_weights()
@@ -412,7 +423,7 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
 
 
 def quantized_mode(model: nn.Module) -> str | None:
-    """``"int8"``/``"int4"``/``"w8a8"`` when :func:`quantize_model` quantized ``model``, else None."""
+    """``"int8"``/``"int4"``/``"w8a8"``/``"head"`` when :func:`quantize_model` quantized ``model``, else None."""
     return getattr(model, "_skipdecode_quantize", None)
 
 
