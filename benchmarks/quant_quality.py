@@ -38,7 +38,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="quant_quality.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint directory (the 2x fine-tune), or 'stock'")
-    p.add_argument("--quantize", choices=["int8", "int4", "w8a8"], default="int8")
+    p.add_argument("--quantize", choices=["int8", "int4", "w8a8", "head"], default="int8")
     p.add_argument("--data", default=None, help="E2E test CSV with references (default: the shared data folder's)")
     p.add_argument("--limit", type=int, default=100, help="first N MRs")
     p.add_argument("--batch-size", type=int, default=16)

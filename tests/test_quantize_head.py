@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from skipdecode.adapters import get_adapter
-from skipdecode.bench_engines import build_variant, parse_variants
+from skipdecode.bench_engines import build_variant, parse_variants, step_bytes
 from skipdecode.layout import WeightLeftLinear
 from skipdecode.loading import load
 from skipdecode.model import SkipModel
@@ -110,3 +110,27 @@ def test_bench_variant_names_and_weight_first_layers(tokenizer):
     assert parse_variants("head,head+compile") == [("head", "head", False), ("head+compile", "head", "auto")]
     with pytest.raises(ValueError, match="--variants items must be"):
         parse_variants("head-unfused")
+
+
+def test_step_bytes_count_what_a_decode_step_reads(tokenizer):
+    """The benchmark's floor: float layers' weights, the head's preview and candidate rows (not
+    its resident int8, int4 and W8A8 copies), the final norm and rotary tables, one embedding
+    row per sequence and the K/V read; oneDNN's copies (read by prefills only) never count."""
+    from skipdecode import onednn
+
+    sk = SkipModel(make_model("llama"), tokenizer)
+    variant, _ = build_variant(sk, "head", False)
+    model, adapter = variant.model, variant.adapter
+    B, P = 2, 5
+    layer = sum(p.numel() * 4 for p in adapter.layers.parameters())
+    tail = sum(t.numel() * 4 for m in (model.model.norm, model.model.rotary_emb)
+               for t in [*m.parameters(), *m.buffers()])
+    kv_heads, head_dim = adapter.kv_shape
+    kv = adapter.num_layers * B * (P + 1) * 2 * kv_heads * head_dim * 4
+    emb_row = model.get_input_embeddings().weight.shape[1] * 4
+    want = layer + model.get_output_embeddings().step_read_bytes(B) + tail + B * emb_row + kv
+    assert step_bytes(variant, [adapter.num_layers], B, P) == pytest.approx(want)
+    w8a8, _ = build_variant(sk, "w8a8", False)
+    before = step_bytes(w8a8, [6, 3], 1, P)
+    if onednn.enable(w8a8.model):
+        assert step_bytes(w8a8, [6, 3], 1, P) == pytest.approx(before)

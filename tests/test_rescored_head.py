@@ -100,6 +100,19 @@ def test_step_read_bytes_counts_the_preview_and_the_candidate_rows():
     assert head.step_read_bytes(1) < resident_bytes(head)["total"]  # the int8 copy is not read
 
 
+def test_step_read_bytes_follows_the_one_row_preview():
+    """At one row a head whose timing chose the int4 preview reads the int4 codes, not the W8A8
+    copy; more rows still take the W8A8 preview."""
+    head = _head(n=512, k=64, candidates=16)
+    int4 = sum(t.numel() * t.element_size() for t in head.preview.buffers())
+    w8a8 = 512 * 64 + 512 * 4
+    head.one_row_preview = "int4"
+    assert head.step_read_bytes(1) == int4 + 16 * (64 + 4)
+    assert head.step_read_bytes(2) == w8a8 + 2 * 16 * (64 + 4)
+    head.one_row_preview = "w8a8"
+    assert head.step_read_bytes(1) == w8a8 + 16 * (64 + 4)
+
+
 def test_int4_model_decodes_as_with_an_int8_head(tokenizer, monkeypatch):
     """Greedy tokens (a 2x skip plan included) equal those of the same int4 model with a plain
     int8 head, and the step's logits agree at the chosen tokens."""

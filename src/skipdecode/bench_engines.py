@@ -150,12 +150,16 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s weights as a step reads them: oneDNN's packed float32 duplicates
-    (:mod:`skipdecode.onednn`) are left out, since each product reads either the plain weight or
-    its packed copy, never both."""
+    """Bytes of ``module``'s weights as a decode step reads them: oneDNN's packed float32
+    duplicates (:mod:`skipdecode.onednn`) and the oneDNN int8 copies of W8A8 layers (used for
+    prefills only, :data:`skipdecode.w8a8.ONEDNN_MIN_ROWS`) are left out, since each product
+    reads either the plain weight or its packed copy, never both."""
     from .onednn import packed_nbytes
+    from .w8a8 import W8A8Linear
 
-    return resident_bytes(module)["total"] - packed_nbytes(module)
+    int8_copies = sum(m.out_features * m.in_features for m in module.modules()
+                      if isinstance(m, W8A8Linear) and m.onednn_packed is not None)
+    return resident_bytes(module)["total"] - packed_nbytes(module) - int8_copies
 
 
 def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) -> float:
@@ -183,8 +187,9 @@ def step_bytes(sk, layers_run: Sequence[int], batch_size: int, prompt_len: int) 
         tail += head.step_read_bytes(batch_size)
     elif head is not None:
         tail += _module_bytes(head)
+    head_ids = {id(m) for m in head.modules()} if head is not None else set()  # counted above
     for name, module in model.named_modules():  # final norms / projections outside the layers
-        if id(module) in layer_ids or module is emb or module is head or list(module.children()):
+        if id(module) in layer_ids or id(module) in head_ids or module is emb or list(module.children()):
             continue
         if "embed_positions" in name or name.endswith("wpe"):
             continue
