@@ -1,0 +1,156 @@
+"""Weight variants against each other in one process, round-robin: step times without the drift
+between separate runs.
+
+Separate benchmark runs of each variant (``skipdecode bench --variants``) sit minutes apart,
+and this host's speed moves by 10-30 % between them, so a comparison across variants, or a
+wall/theoretical ratio, can swing with the host. Here every ``--variants`` entry (a
+:func:`skipdecode.bench_engines.parse_variants` item: float32, int8, int4, w8a8 or head, each
+optionally ``+compile``) is built from one loaded model and kept in memory; then ``--repeats``
+rounds, each running every (variant, policy) once in a rotated order: a greedy batch-1 generation
+of ``--new-tokens`` tokens at full depth and under the generic ``--speedup`` policy. Step time =
+the generation's decode seconds / decode steps (``GenerationResult.stats``), in milliseconds.
+
+Reported per variant: median step time per policy, the wall/theoretical speedup from those
+medians, and the median over rounds of each round's own full / skipped ratio (both measured
+within seconds of each other) over the theoretical speedup. Prints a Markdown table, writes
+``benchmarks/results/<name>.json`` (repo-relative paths) and a PNG, and ends with one JSON line.
+
+    python benchmarks/variant_ab.py --variants float32+compile,head+compile,w8a8+compile --repeats 8 --name variant_ab_stop41
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from guard_memo_ab import PROMPT  # noqa: E402  (the same prompt as the guard-memo A/B)
+from server_load import report  # noqa: E402  (table, JSON and PNG the same way as the load benchmarks)
+
+
+def build(names: list[str]) -> tuple[dict, object]:
+    """``{name: SkipModel}`` for each parsed variant, all from one load of the embedded model."""
+    from skipdecode import load
+    from skipdecode.bench_engines import build_variant, parse_variants
+
+    base = load(None, adapter=False)
+    models = {}
+    for name, quantize, compile_mode in parse_variants(",".join(names)):
+        variant, report_ = build_variant(base, quantize, compile_mode)
+        if report_ is not None and not report_.enabled:
+            raise SystemExit(f"error: {name}: compilation fell back to eager: {report_.error}")
+        models[name] = variant
+    return models, base
+
+
+def measure(models: dict, speedup: float, repeats: int, new_tokens: int) -> list[dict]:
+    """Rows ``{variant, policy, mean_layers, step_ms_runs, step_ms}``; rounds rotate the order."""
+    from skipdecode.policy import FullPolicy
+
+    any_sk = next(iter(models.values()))
+    policies = {"full": FullPolicy(any_sk.adapter.num_layers), f"{speedup:g}x": any_sk.policy_for(speedup=speedup)}
+    cells = [(v, p) for v in models for p in policies]
+    times = {c: [] for c in cells}
+    layers = {}
+
+    def step(variant: str, policy: str) -> float:
+        stats = models[variant].generate(PROMPT, max_new_tokens=new_tokens, policy=policies[policy]).stats()
+        layers[policy] = stats["mean_active_layers"]
+        return 1e3 * stats["decode_seconds"] / stats["decode_steps"]
+
+    for cell in cells:  # untimed: every path compiled and warm
+        step(*cell)
+    for r in tqdm(range(repeats), desc="rounds", file=sys.stderr):
+        for cell in cells[r % len(cells):] + cells[: r % len(cells)]:
+            times[cell].append(step(*cell))
+    return [{"variant": v, "policy": p, "mean_layers": layers[p], "step_ms_runs": times[(v, p)],
+             "step_ms": statistics.median(times[(v, p)])} for v, p in cells]
+
+
+def summarize(rows: list[dict], names: list[str], policy: str) -> tuple[list[str], dict]:
+    """Markdown lines and ``{variant: {...}}``: medians, wall/theoretical from the medians and
+    the median of per-round ratios."""
+    lines = ["| variant | full depth (ms) | " + policy + " (ms) | theoretical | wall / theoretical (medians) | "
+             "wall / theoretical (per-round median) |", "|---|---:|---:|---:|---:|---:|"]
+    out = {}
+    for v in names:
+        full = next(r for r in rows if (r["variant"], r["policy"]) == (v, "full"))
+        skip = next(r for r in rows if (r["variant"], r["policy"]) == (v, policy))
+        theo = full["mean_layers"] / skip["mean_layers"]
+        per_round = statistics.median(f / s for f, s in zip(full["step_ms_runs"], skip["step_ms_runs"])) / theo
+        out[v] = {"full_ms": full["step_ms"], "skip_ms": skip["step_ms"], "theoretical": theo,
+                  "wall_over_theoretical": full["step_ms"] / skip["step_ms"] / theo,
+                  "wall_over_theoretical_per_round": per_round}
+        lines.append(f"| {v} | {full['step_ms']:.2f} | {skip['step_ms']:.2f} | {theo:.2f}x | "
+                     f"{out[v]['wall_over_theoretical']:.2f} | {per_round:.2f} |")
+    return lines, out
+
+
+def plot(result: dict, png: Path) -> None:
+    """Median step time per variant, full depth and skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, p in enumerate(pols):
+        ms = [next(r["step_ms"] for r in rows if (r["variant"], r["policy"]) == (v, p)) for v in names]
+        ax.bar([j + 0.4 * i for j in range(len(names))], ms, 0.4, label=p)
+    ax.set_xticks([j + 0.2 for j in range(len(names))], names)
+    ax.set_ylabel("ms per decode step (batch 1, median)")
+    ax.set_title("variants round-robin in one process")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="float32+compile,head+compile",
+                    help="comma-separated skipdecode bench --variants items")
+    ap.add_argument("--speedup", type=float, default=3.0, help="the skipping policy's target speedup (>= 1)")
+    ap.add_argument("--repeats", type=int, default=8, help="rounds (>= 1)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per generation (>= 3)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--name", default="variant_ab", help="results file name (no extension)")
+    args = ap.parse_args()
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    from skipdecode.bench_engines import parse_variants
+
+    try:
+        parse_variants(",".join(names))
+    except ValueError as err:
+        ap.error(str(err))
+    if len(set(names)) != len(names) or not names:
+        ap.error(f"--variants needs distinct items, got {args.variants!r}")
+    if args.repeats < 1 or args.new_tokens < 3 or not args.speedup >= 1:
+        ap.error("--repeats must be >= 1, --new-tokens >= 3 and --speedup >= 1")
+    torch.set_num_threads(args.threads)
+    models, _ = build(names)
+    rows = measure(models, args.speedup, args.repeats, args.new_tokens)
+    lines, summary = summarize(rows, names, f"{args.speedup:g}x")
+    path = ROOT / "benchmarks" / "results" / f"{args.name}.json"
+    result = {"benchmark": "variant_ab", "model": "embedded SmolLM2-135M-Instruct (stock weights)", "batch_size": 1,
+              "new_tokens": args.new_tokens, "speedup": args.speedup, "repeats": args.repeats, "threads": args.threads,
+              "torch": torch.__version__, "rows": rows, "summary": summary,
+              "compile_reports": {v: m.compile_report.to_dict() if getattr(m, "compile_report", None) else None
+                                  for v, m in models.items()},
+              "command": "python benchmarks/variant_ab.py " + " ".join(sys.argv[1:]),
+              "results_file": os.path.relpath(path, ROOT)}
+    report(result, path, plot, "\n".join(lines), [])
+
+
+if __name__ == "__main__":
+    main()
