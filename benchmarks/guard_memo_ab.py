@@ -70,36 +70,49 @@ def measure(quantize: str | None, speedup: float, repeats: int, new_tokens: int)
              "step_ms_runs": v, "step_ms": statistics.median(v)} for (m, p), v in times.items()]
 
 
-def plot(result: dict, png: Path) -> None:
-    """Median step time per variant and policy, memo on and off."""
+def bar_chart(png: Path, groups: list[str], series: dict[str, list[float]], title: str) -> None:
+    """Grouped bars of median ms per decode step: one group per ``groups`` label, one bar per
+    ``series`` entry (label -> a value per group); saved to ``png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    cells = sorted({(r["variant"], r["policy"]) for r in rows}, key=lambda c: (c[0], c[1] != "full"))
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, memo in enumerate(("off", "on")):
-        ms = [next(r["step_ms"] for r in rows if (r["variant"], r["policy"], r["memo"]) == (*c, memo)) for c in cells]
-        ax.bar([j + 0.4 * i for j in range(len(cells))], ms, 0.4, label=f"guard memo {memo}")
-    ax.set_xticks([j + 0.2 for j in range(len(cells))], [f"{v}\n{p}" for v, p in cells])
+    width = 0.8 / max(len(series), 1)
+    for i, (label, ms) in enumerate(series.items()):
+        ax.bar([j + width * i for j in range(len(groups))], ms, width, label=label)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], groups)
     ax.set_ylabel("ms per decode step (batch 1, median)")
-    ax.set_title("compile=True: guard memo on against off, one process per variant")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
 
 
+def plot(result: dict, png: Path) -> None:
+    """Median step time per variant and policy, memo on and off."""
+    rows = result["rows"]
+    cells = sorted({(r["variant"], r["policy"]) for r in rows}, key=lambda c: (c[0], c[1] != "full"))
+    series = {f"guard memo {memo}": [next(r["step_ms"] for r in rows if (r["variant"], r["policy"], r["memo"]) == (*c, memo))
+                                     for c in cells] for memo in ("off", "on")}
+    bar_chart(png, [f"{v}\n{p}" for v, p in cells], series, "compile=True: guard memo on against off, one process per variant")
+
+
+def add_run_options(ap: argparse.ArgumentParser, repeats: int, name: str) -> None:
+    """``--speedup``, ``--repeats``, ``--new-tokens``, ``--threads`` and ``--name`` (the in-process A/B benchmarks')."""
+    ap.add_argument("--speedup", type=float, default=3.0, help="the skipping policy's target speedup (>= 1)")
+    ap.add_argument("--repeats", type=int, default=repeats, help="rounds (>= 1)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per generation (>= 3)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--name", default=name, help="results file name (no extension)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="float32,w8a8,int4", help="comma-separated: float32, w8a8, int4")
-    ap.add_argument("--speedup", type=float, default=3.0, help="the skipping policy's target speedup (>= 1)")
-    ap.add_argument("--repeats", type=int, default=4, help="rounds per setting, alternating order (>= 1)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per generation (>= 3)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--name", default="guard_memo_ab", help="results file name (no extension)")
+    add_run_options(ap, 4, "guard_memo_ab")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in names if v not in VARIANTS]

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from guard_memo_ab import PROMPT  # noqa: E402  (the same prompt as the guard-memo A/B)
+from guard_memo_ab import PROMPT, add_run_options, bar_chart  # noqa: E402  (shared with the guard-memo A/B)
 from server_load import report  # noqa: E402  (table, JSON and PNG the same way as the load benchmarks)
 
 
@@ -95,36 +95,18 @@ def summarize(rows: list[dict], names: list[str], policy: str) -> tuple[list[str
 
 def plot(result: dict, png: Path) -> None:
     """Median step time per variant, full depth and skipped."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     names = list(dict.fromkeys(r["variant"] for r in rows))
-    pols = list(dict.fromkeys(r["policy"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, p in enumerate(pols):
-        ms = [next(r["step_ms"] for r in rows if (r["variant"], r["policy"]) == (v, p)) for v in names]
-        ax.bar([j + 0.4 * i for j in range(len(names))], ms, 0.4, label=p)
-    ax.set_xticks([j + 0.2 for j in range(len(names))], names)
-    ax.set_ylabel("ms per decode step (batch 1, median)")
-    ax.set_title("variants round-robin in one process")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    series = {p: [next(r["step_ms"] for r in rows if (r["variant"], r["policy"]) == (v, p)) for v in names]
+              for p in dict.fromkeys(r["policy"] for r in rows)}
+    bar_chart(png, names, series, "variants round-robin in one process")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="float32+compile,head+compile",
                     help="comma-separated skipdecode bench --variants items")
-    ap.add_argument("--speedup", type=float, default=3.0, help="the skipping policy's target speedup (>= 1)")
-    ap.add_argument("--repeats", type=int, default=8, help="rounds (>= 1)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per generation (>= 3)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--name", default="variant_ab", help="results file name (no extension)")
+    add_run_options(ap, 8, "variant_ab")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     from skipdecode.bench_engines import parse_variants
