@@ -1,0 +1,53 @@
+"""benchmarks/variant_ab.py on tiny models: every (variant, policy) cell gets one run per round,
+and the summary's ratios follow from the runs (no timing assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from pathlib import Path
+
+import pytest
+
+from skipdecode.model import SkipModel
+from skipdecode.quantize import quantize_model
+
+from conftest import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("variant_ab", ROOT / "benchmarks" / "variant_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_cover_every_cell_and_summary_follows_the_runs(tokenizer, tmp_path):
+    va = _script()
+    models = {"float32": SkipModel(make_model("llama"), tokenizer),
+              "head": SkipModel(quantize_model(make_model("llama"), "head"), tokenizer)}
+    calls = []
+    for name, sk in models.items():
+        generate = sk.generate
+        sk.generate = (lambda *a, _g=generate, _n=name, **k: calls.append((_n, k["policy"].to_dict()["type"])) or _g(*a, **k))
+    rows = va.measure(models, speedup=2.0, repeats=3, new_tokens=4)
+    assert [(r["variant"], r["policy"]) for r in rows] == [("float32", "full"), ("float32", "2x"), ("head", "full"), ("head", "2x")]
+    assert all(len(r["step_ms_runs"]) == 3 and r["step_ms"] == statistics.median(r["step_ms_runs"]) for r in rows)
+    assert len(calls) == 4 * (1 + 3)  # one untimed warm-up of each cell, then one run per cell per round
+    assert calls[4:8][0] != calls[8:12][0]  # the order rotates between rounds
+    full = next(r for r in rows if r["policy"] == "full")
+    skip = next(r for r in rows if r["policy"] == "2x")
+    assert full["mean_layers"] == 6 and skip["mean_layers"] < 6
+    lines, summary = va.summarize(rows, ["float32", "head"], "2x")
+    s = summary["float32"]
+    theo = 6 / skip["mean_layers"]
+    assert s["theoretical"] == pytest.approx(theo)
+    assert s["wall_over_theoretical"] == pytest.approx(full["step_ms"] / skip["step_ms"] / theo)
+    per_round = statistics.median(f / k for f, k in zip(full["step_ms_runs"], skip["step_ms_runs"])) / theo
+    assert s["wall_over_theoretical_per_round"] == pytest.approx(per_round)
+    assert len(lines) == 2 + 2 and lines[2].startswith("| float32 |")
+    result = {"rows": rows}
+    va.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
