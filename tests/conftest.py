@@ -141,3 +141,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (the benchmarks folder is not a package; it
+    goes on ``sys.path`` for the scripts' imports of each other, and the module into
+    ``sys.modules``, where dataclasses look their module up)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

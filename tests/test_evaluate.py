@@ -6,12 +6,11 @@ Offline and independent of the shared data folder: items are written to tmp_path
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_model
+from conftest import load_benchmark, make_model
 from skipdecode.cli import app
 from skipdecode.data import DataError, EvalItem, load_eval_items
 from skipdecode.evaluate import TASKS, Report, combine_reports, detect_task, evaluate, resolve_policy
@@ -341,15 +340,6 @@ def test_cli_bad_options_exit_2(ckpt, items_file, tmp_path, extra, match):
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_script(name: str = "eval_e2e"):
-    """Import benchmarks/NAME.py as a module (the benchmarks folder is not a package)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
@@ -364,7 +354,7 @@ def test_eval_e2e_script_rows(tmp_path, tokenizer, ckpt, capsys):
     two = LinearDecayPolicy(num_layers=L, max_layers=4, min_layers=2, horizon=8)
     ckpt2 = tmp_path / "e2e-2x"
     SkipModel(make_model("llama", L, seed=3), tokenizer, policy=two, chat=False).save_pretrained(ckpt2)
-    script = _load_script()
+    script = load_benchmark("eval_e2e")
     rc = script.main(["--ckpt", f"2x={ckpt2}", "--stock", str(ckpt), "--data", str(csv), "--batch-size", "2",
                       "--max-new-tokens", "4", "--calm-threshold", "0", "--calm-min-layers", "3",
                       "--out", str(tmp_path / "res"), "--no-progress"])
@@ -413,7 +403,7 @@ def test_report_round_trip_and_combine_with_calm_run(sk, items_file, tmp_path):
     assert main.meta["command"] in md and calm.meta["command"] in md
 
     # the script writes the three files; mismatched items and non-reports are clean errors
-    mod = _load_script("plot_eval")
+    mod = load_benchmark("plot_eval")
     assert mod.main([str(tmp_path / "main.json"), str(tmp_path / "calm.json"), "--out", str(tmp_path / "o"),
                      "--name", "all"]) == 0
     assert (tmp_path / "o" / "all.png").read_bytes()[:8] == PNG_MAGIC
@@ -486,7 +476,7 @@ def test_concat_shards_equals_one_run_over_all_items(sk, items_file, tmp_path):
     # the script: eval_e2e-style shards joined by plot_eval.py --concat
     a.save(tmp_path, "a")
     b.save(tmp_path, "b")
-    mod = _load_script("plot_eval")
+    mod = load_benchmark("plot_eval")
     assert mod.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--concat", "--out", str(tmp_path),
                      "--name", "ab"]) == 0
     assert Report.load(tmp_path / "ab.json").row("tiny-llama", "2x").generations == whole.row("tiny-llama", "2x").generations

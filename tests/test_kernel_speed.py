@@ -3,25 +3,15 @@ output (no timing assertions; the compiled fused kernels are left out to keep th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from skipdecode import int4pack
 from skipdecode.model import SkipModel
 
-from conftest import make_model
+from conftest import load_benchmark, make_model
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("kernel_speed", ROOT / "benchmarks" / "kernel_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +24,7 @@ def tiny_dir(tmp_path_factory, tokenizer):
 def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
     out = tmp_path / "k.json"
     kernels = ["float32", "float32cm", "float32left", "bfloat16", "int8pack", "int4pack"]
-    result = _script().main(["--model", str(tiny_dir), "--kernels", ",".join(kernels), "--repeats", "2",
+    result = load_benchmark("kernel_speed").main(["--model", str(tiny_dir), "--kernels", ",".join(kernels), "--repeats", "2",
                              "--warmup", "0", "--threads", "1", "--batch-sizes", "1,2", "--bandwidth-mb", "8",
                              "--step-ms", "5", "--step-ms-threads", "1", "--output", str(out)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -76,5 +66,5 @@ def test_kernel_speed_rows_and_step_sums(tiny_dir, tmp_path, capsys):
 ])
 def test_kernel_speed_bad_arguments_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        _script().main(args)
+        load_benchmark("kernel_speed").main(args)
     assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -4,26 +4,16 @@ synthetic E2E-shaped CSV and a budget of a few seconds; plus the dev split by MR
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from test_train import tiny_skipmodel
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script(name: str):
-    """Import ``benchmarks/<name>.py`` as a module."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 NAMES = ["The Eagle", "The Mill", "Alimentum", "Blue Spice", "Zizzi", "Cotto", "Aromi", "Wildwood", "Strada"]
@@ -52,7 +42,7 @@ def tiny_dir(tmp_path_factory):
 def test_split_by_mr_holds_out_whole_mrs(tmp_path):
     from skipdecode.data import load_examples
 
-    common = load_script("study_common")
+    common = load_benchmark("study_common")
     ex = load_examples(write_e2e_csv(tmp_path / "dev.csv"), task="e2e")
     split = common.split_by_mr(ex, 3, seed=0)
     held = {e.prompt for e in split.heldout}
@@ -65,7 +55,7 @@ def test_split_by_mr_holds_out_whole_mrs(tmp_path):
 
 
 def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
-    mod = load_script("recipe_study")
+    mod = load_benchmark("recipe_study")
     data = write_e2e_csv(tmp_path / "dev.csv")
     stem = tmp_path / "study"
     common = ["--model", str(tiny_dir), "--data", str(data), "--out", str(stem), "--runs", str(tmp_path / "runs"),
@@ -116,7 +106,7 @@ def test_recipe_study_runs_end_to_end_and_resumes(tmp_path, tiny_dir, capsys):
 def test_recipe_study_budget_stops_runs_mid_schedule(tmp_path, tiny_dir):
     """A budget far below one step: the run stops after its first step of the 50 planned, and its
     model is still validated and scored (the trainer's max_minutes, no calibration)."""
-    mod = load_script("recipe_study")
+    mod = load_benchmark("recipe_study")
     stem = tmp_path / "study"
     assert mod.main(["--model", str(tiny_dir), "--data", str(write_e2e_csv(tmp_path / "dev.csv")), "--out", str(stem),
                      "--runs", str(tmp_path / "runs"), "--minutes", "0.00001", "--max-steps", "50", "--speedup", "2",
@@ -134,7 +124,7 @@ def test_recipe_study_budget_stops_runs_mid_schedule(tmp_path, tiny_dir):
     (["--heldout-mrs", "50"], "--heldout-mrs"),
 ])
 def test_recipe_study_bad_input_is_a_one_line_error(tmp_path, tiny_dir, capsys, args, message):
-    mod = load_script("recipe_study")
+    mod = load_benchmark("recipe_study")
     data = write_e2e_csv(tmp_path / "dev.csv")
     with pytest.raises(SystemExit) as exc:
         mod.main(["--model", str(tiny_dir), "--data", str(data), "--out", str(tmp_path / "s"), *args])
@@ -144,7 +134,7 @@ def test_recipe_study_bad_input_is_a_one_line_error(tmp_path, tiny_dir, capsys, 
 
 
 def test_recipe_study_refuses_an_out_with_other_settings(tmp_path, tiny_dir, capsys):
-    mod = load_script("recipe_study")
+    mod = load_benchmark("recipe_study")
     stem = tmp_path / "s"
     stem.with_suffix(".json").write_text(json.dumps({"settings": {"minutes": 99}, "recipes": {}}))
     with pytest.raises(SystemExit):
@@ -154,7 +144,7 @@ def test_recipe_study_refuses_an_out_with_other_settings(tmp_path, tiny_dir, cap
 
 
 def test_repo_relative_paths_in_records():
-    common = load_script("study_common")
+    common = load_benchmark("study_common")
     assert common.repo_relative(ROOT / "runs" / "x" / "final") == "runs/x/final"
     assert common.repo_relative(ROOT.parent / "shared" / "data" / "e2e" / "devset.csv") == "../shared/data/e2e/devset.csv"
     assert common.repo_relative("/elsewhere/model") == "/elsewhere/model"

@@ -3,20 +3,16 @@ step on a tiny model; the real benchmark runs on a quiet machine (docs/training-
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_benchmark
 from test_train import examples, tiny_skipmodel
 
 from skipdecode.policy import for_speedup
 from skipdecode.training.throughput import response_active_fraction, training_throughput
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def test_response_active_fraction_counts_response_layer_work():
     policy = for_speedup(6, 3.0, 4)
@@ -46,9 +42,7 @@ def test_training_throughput_rows_and_baseline():
 
 
 def test_benchmark_script_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "benchmarks" / "train_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("train_throughput")
     model_dir = tmp_path / "model"
     tiny_skipmodel().save_pretrained(model_dir)
     data = tmp_path / "pairs.jsonl"

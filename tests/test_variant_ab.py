@@ -3,29 +3,19 @@ and the summary's ratios follow from the runs (no timing assertions)."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
 
 from skipdecode.model import SkipModel
 from skipdecode.quantize import quantize_model
 
-from conftest import make_model
+from conftest import load_benchmark, make_model
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("variant_ab", ROOT / "benchmarks" / "variant_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_rounds_cover_every_cell_and_summary_follows_the_runs(tokenizer, tmp_path):
-    va = _script()
+    va = load_benchmark("variant_ab")
     models = {"float32": SkipModel(make_model("llama"), tokenizer),
               "head": SkipModel(quantize_model(make_model("llama"), "head"), tokenizer)}
     calls = []
