@@ -135,7 +135,7 @@ def build_variant(sk, quantize: str | None, compile: bool | str, cache: dict[Any
             cache[key] = copy.deepcopy(sk.model).to(dtype)
         else:
             cache[key] = sk.model if quantize is None else quantize_model(copy.deepcopy(sk.model), quantize, fuse=fuse)
-            if quantize == "head":  # float layers, weight-first as load() makes them (quantize_model re-lays them)
+            if quantize == "head":  # float layers weight-first, as load() makes them (a no-op on its models)
                 from .layout import weight_left
 
                 weight_left(cache[key])

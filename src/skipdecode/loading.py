@@ -317,13 +317,13 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
     prefills; same values up to float32 rounding)."""
     from .lowrank import LoraFormatError, attach_lora
 
+    if quantize in (None, "head"):  # float decoder layers ("head" then replaces the head alone)
+        from .layout import weight_left
+
+        weight_left(sk.model)
     try:
         if quantize is not None:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)
-        if quantize in (None, "head"):  # float decoder layers (the head is quantized first)
-            from .layout import weight_left
-
-            weight_left(sk.model)
         only = {p for p, _ in decode_only}
         for path in unmerged:
             attach_lora(sk.model, path, decode_only=path in only)

@@ -399,7 +399,6 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
         raise QuantizeError(f"the model is already quantized ({quantized_mode(model)})")
     from .layout import row_major
 
-    row_major(model)  # the quantizers and their kernels expect contiguous float weights
     if layers is None:
         from .adapters import get_adapter
 
@@ -407,6 +406,8 @@ def quantize_model(model: nn.Module, mode: str | None, layers: nn.ModuleList | N
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or not _is_linear(head):
         raise QuantizeError("quantize needs a model with a linear LM head (get_output_embeddings())")
+    # the quantizers and their kernels expect contiguous float weights; "head" leaves the layers as they are
+    row_major(head if mode == "head" else model)
     if mode != "head":  # "head": the decoder layers keep their float weights
         if fuse:
             from .fused_linear import fuse_siblings
