@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from test_recipe_study import load_script
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("adapter_agreement")
+    return load_benchmark("adapter_agreement")
 
 
 def test_first_divergence(script):

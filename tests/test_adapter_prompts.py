@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_recipe_study import load_script
+from conftest import load_benchmark
 
 MTBENCH = ["coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"]
 N_PER_TAKEN_CATEGORY = 80
@@ -58,7 +58,7 @@ def fake_data(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def script():
-    return load_script("adapter_prompts")
+    return load_benchmark("adapter_prompts")
 
 
 def _sha(rows: list[dict]) -> str:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from test_recipe_study import load_script, write_e2e_csv
+from conftest import load_benchmark
+from test_recipe_study import write_e2e_csv
 
 # (script, extra arguments, option named, default file inside the shared data folder)
 FILE_SCRIPTS = [
@@ -34,7 +35,7 @@ def test_missing_default_data_file_is_one_line_naming_option_and_folder(
         name, extra, option, default, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))  # exists, but holds no data file
     monkeypatch.chdir(tmp_path)
-    script = load_script(name)
+    script = load_benchmark(name)
     assert _exit_code(script, extra) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
@@ -46,14 +47,14 @@ def test_missing_default_data_file_is_one_line_naming_option_and_folder(
 def test_adapter_scripts_without_a_data_folder_exit_2_with_one_line(name, tmp_path, monkeypatch, capsys):
     missing = tmp_path / "no-such-folder"
     monkeypatch.setenv("SKIPDECODE_DATA", str(missing))
-    script = load_script(name)
+    script = load_benchmark(name)
     assert _exit_code(script, ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no --data given" in err and str(missing) in err, err
 
 
 def test_adapter_prompts_given_folder_without_files_is_one_line(tmp_path, capsys):
-    script = load_script("adapter_prompts")
+    script = load_benchmark("adapter_prompts")
     with pytest.raises(SystemExit) as info:
         script.build_or_exit(str(tmp_path))  # a given --data is used as is; its files are missing
     assert info.value.code == 2
@@ -64,7 +65,7 @@ def test_adapter_prompts_given_folder_without_files_is_one_line(tmp_path, capsys
 def test_server_load_prompts_from_the_shared_folder_else_built_in(tmp_path, monkeypatch):
     from skipdecode.data import TEMPLATES
 
-    script = load_script("server_load")
+    script = load_benchmark("server_load")
     built_in = [TEMPLATES["e2e"].format(mr=mr) for mr in script.FALLBACK_MRS]
     monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path))
     assert script.prompts() == built_in  # the folder lacks e2e/testset_w_refs.csv
@@ -88,7 +89,7 @@ def test_cli_eval_default_data_missing_names_option_and_folder(tmp_path, monkeyp
 
 
 def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch, capsys):
-    script = load_script("adapter_prompts")
+    script = load_benchmark("adapter_prompts")
     rows = ([{"id": "own-x", "source": "own", "category": "x", "prompt": "not in the manifest"}], [])
     monkeypatch.setattr(script, "build", lambda data_dir=None: rows)
     assert script.build_or_exit("given") == rows  # no manifest check without a message
@@ -100,7 +101,7 @@ def test_adapter_prompts_manifest_mismatch_is_fatal_only_when_asked(monkeypatch,
 
 
 def test_server_load_pairs_the_speedups_of_a_client_count_on_the_same_prompts(monkeypatch, tmp_path):
-    script = load_script("server_load")
+    script = load_benchmark("server_load")
     texts = [f"p{i}" for i in range(500)]
     monkeypatch.setattr(script, "prompts", lambda: texts)
     calls = []
@@ -128,7 +129,7 @@ def test_server_load_pairs_the_speedups_of_a_client_count_on_the_same_prompts(mo
 def test_server_load_repeats_alternate_the_speedups_and_take_median_ratios(monkeypatch, tmp_path, capsys):
     """--repeats 3: each client count's cells run 1,2 / 2,1 / 1,2 on the same prompts, the 2x/full
     ratio is computed within each run and the pairs and targets take the median of the three."""
-    script = load_script("server_load")
+    script = load_benchmark("server_load")
     monkeypatch.setattr(script, "prompts", lambda: [f"p{i}" for i in range(500)])
     rps = iter([4.0, 5.6, 6.0, 3.0, 5.0, 7.0])  # runs: 5.6/4 = 1.4, 6/3 = 2.0, 7/5 = 1.4
     calls = []

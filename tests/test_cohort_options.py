@@ -137,9 +137,9 @@ def test_server_with_cohorts_gives_every_concurrent_request_its_solo_answer():
 
 
 def test_server_load_benchmark_passes_the_cohort_size_and_checks_it(capsys):
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    server_load = load_script("server_load")
+    server_load = load_benchmark("server_load")
     args = server_load._parse(["--max-batch-size", "8", "--cohort-size", "4"])
     assert args.cohort_size == 4
     with pytest.raises(SystemExit) as exc:
@@ -151,9 +151,9 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
     """The benchmark's client (the official ``openai`` client, streaming) against a real server:
     every request is counted once, its tokens come from the server's ``usage``, and ``--chat``
     goes through /v1/chat/completions (the adapter's format)."""
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    server_load = load_script("server_load")
+    server_load = load_benchmark("server_load")
     assert server_load._parse(["--chat", "--adapter"]).chat is True
     proc, url = start_server("--max-batch-size", "4")
     try:
@@ -181,9 +181,9 @@ def test_server_load_ignore_eos_gives_every_request_max_tokens():
     and ends at EOS) every request then writes exactly max_tokens tokens; without it, the answer
     and its EOS."""
     from serve_tiny import CHAIN_PROMPT, CHAIN_TEXT
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    server_load = load_script("server_load")
+    server_load = load_benchmark("server_load")
     assert server_load._parse(["--ignore-eos"]).ignore_eos is True
     assert server_load._parse([]).ignore_eos is False
     answer = len(make_tokenizer()(CHAIN_TEXT)["input_ids"]) + 1  # its EOS included
@@ -204,9 +204,9 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser;
     --align-steps always reaches an in-flight server (0 included), never a serial one; --quantize
     and --compile reach the server only when given, and an unknown format is refused."""
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    server_load = load_script("server_load")
+    server_load = load_benchmark("server_load")
     seen = {}
 
     class ExitedServer:  # a server process that exits at once: start_server reports its command
@@ -251,9 +251,9 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
 
 
 def test_server_load_pairs_report_the_amdahl_ceiling_of_a_full_depth_prefill():
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    server_load = load_script("server_load")
+    server_load = load_benchmark("server_load")
 
     def row(speedup, rps, lat, ttft, step_ms, theo):
         return {"mode": "inflight", "clients": 16, "speedup": speedup, "requests_per_second": rps,

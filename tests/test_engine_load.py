@@ -9,13 +9,13 @@ import json
 import pytest
 
 from test_cli_outputs import saved  # noqa: F401  (a tiny llama checkpoint, a fixture)
-from test_recipe_study import load_script
+from conftest import load_benchmark
 
 PROMPTS = ["The Eagle is a", "Blue Spice serves", "The Mill is", "Aromi has", "Zizzi is a", "Cotto serves"]
 
 
 def test_engine_load_rows_ratios_and_outputs(saved, tmp_path, monkeypatch, capsys):  # noqa: F811
-    engine_load = load_script("engine_load")
+    engine_load = load_benchmark("engine_load")
     monkeypatch.setattr(engine_load, "prompts", lambda: list(PROMPTS))
     result = engine_load.main(["--model", str(saved), "--clients", "2", "--requests-per-client", "2",
                                "--max-tokens", "3", "--speedups", "1,2", "--align-steps", "2",
@@ -45,7 +45,7 @@ def test_engine_load_repeats_alternate_the_order_and_take_medians(saved, tmp_pat
     of the three runs' ratios (each computed within its own run), which are kept in ``runs``."""
     import statistics
 
-    engine_load = load_script("engine_load")
+    engine_load = load_benchmark("engine_load")
     monkeypatch.setattr(engine_load, "prompts", lambda: list(PROMPTS))
     result = engine_load.main(["--model", str(saved), "--clients", "2", "--requests-per-client", "1",
                                "--max-tokens", "2", "--speedups", "1,2", "--repeats", "3",
@@ -72,7 +72,7 @@ def test_engine_load_ignore_eos_gives_every_request_max_tokens(tmp_path, monkeyp
 
     model_dir = tmp_path / "chain"
     SkipModel(make_chain_model(tokenizer, CHAIN_PROMPT, CHAIN_TEXT), tokenizer).save_pretrained(model_dir)
-    engine_load = load_script("engine_load")
+    engine_load = load_benchmark("engine_load")
     monkeypatch.setattr(engine_load, "prompts", lambda: [CHAIN_PROMPT])
     answer = len(tokenizer(CHAIN_TEXT)["input_ids"]) + 1
     tokens = {}
@@ -95,7 +95,7 @@ def test_engine_load_ignore_eos_gives_every_request_max_tokens(tmp_path, monkeyp
     (["--quantize", "int3"], "--quantize: invalid choice"),
 ])
 def test_engine_load_bad_arguments_exit_2(args, message, capsys):
-    engine_load = load_script("engine_load")
+    engine_load = load_benchmark("engine_load")
     with pytest.raises(SystemExit) as exc:
         engine_load._parse(args)
     assert exc.value.code == 2 and message in capsys.readouterr().err

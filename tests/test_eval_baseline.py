@@ -14,7 +14,8 @@ from skipdecode.eval_report import EvalRow, Report
 from skipdecode.evaluate import evaluate
 from skipdecode.model import SkipModel
 from skipdecode.policy import LinearDecayPolicy
-from test_evaluate import RECORDS, _load_script, _run  # noqa: F401  (shared helpers)
+from conftest import load_benchmark
+from test_evaluate import RECORDS, _run  # noqa: F401  (shared helpers)
 
 L = 6
 
@@ -120,7 +121,7 @@ def test_eval_e2e_script_defaults_to_the_1x_checkpoint_as_baseline(saved_pair, t
     one, two = saved_pair
     csv = tmp_path / "test.csv"
     csv.write_text('"mr","ref"\n"name[The Eagle]","The Eagle."\n"name[Blue Spice]","Blue Spice."\n')
-    script = _load_script()
+    script = load_benchmark("eval_e2e")
     common = ["--no-stock", "--data", str(csv), "--batch-size", "2", "--max-new-tokens", "3", "--no-progress",
               "--out", str(tmp_path / "res")]
     assert script.main(["--ckpt", f"1x={one}", "--ckpt", f"2x={two}", *common]) == 0

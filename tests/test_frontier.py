@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from test_recipe_study import load_script, write_e2e_csv
+from conftest import load_benchmark
+from test_recipe_study import write_e2e_csv
 from test_train import tiny_skipmodel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def _args(tiny_dir, csvs, tmp_path, *extra):
 
 
 def test_frontier_trains_equal_budgets_evaluates_and_resumes(tmp_path, tiny_dir, csvs, capsys):
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     args = _args(tiny_dir, csvs, tmp_path, "--epochs", "0.5", "--name", "fr")
     assert mod.main(args) == 0
     out = tmp_path / "out"
@@ -87,7 +88,7 @@ def test_frontier_trains_equal_budgets_evaluates_and_resumes(tmp_path, tiny_dir,
 def test_frontier_resumes_a_model_stopped_mid_way_from_its_checkpoint(tmp_path, tiny_dir, csvs):
     """A run killed inside a model's training resumes that model from its newest checkpoint, with
     the epochs the first invocation chose (even if --epochs now says otherwise)."""
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     args = _args(tiny_dir, csvs, tmp_path, "--epochs", "0.5", "--name", "mid", "--speedups", "2", "--mixed", "",
                  "--checkpoint-every", "2")
     assert mod.main(args) == 0
@@ -111,7 +112,7 @@ def test_frontier_resumes_a_model_stopped_mid_way_from_its_checkpoint(tmp_path, 
 
 
 def test_frontier_deadline_cuts_training_equally(tmp_path, tiny_dir, csvs):
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     t0 = time.time()
     args = _args(tiny_dir, csvs, tmp_path, "--epochs", "500", "--deadline-minutes", "0.25",
                  "--eval-reserve-minutes", "0.05", "--name", "dl", "--mixed", "")
@@ -125,7 +126,7 @@ def test_frontier_deadline_cuts_training_equally(tmp_path, tiny_dir, csvs):
 
 
 def test_frontier_dry_run_and_bad_input(tmp_path, tiny_dir, csvs, capsys):
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     assert mod.main(_args(tiny_dir, csvs, tmp_path, "--dry-run", "--recipe", "from-1x", "--speedups", "3")) == 0
     dry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [m["label"] for m in dry["models"]] == ["1x", "3x", "mix2-3"]  # from-1x needs the 1x model
@@ -141,7 +142,7 @@ def test_frontier_dry_run_and_bad_input(tmp_path, tiny_dir, csvs, capsys):
 def test_frontier_labels_kl_1x_distils_from_the_equally_trained_1x_model(tmp_path, tiny_dir, csvs, capsys):
     """Recipe labels-kl-1x: 1x is trained first; skip models start from the base and take the 1x
     model as KL teacher; the 1x model itself has neither KL nor a teacher."""
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     assert mod.main(_args(tiny_dir, csvs, tmp_path, "--dry-run", "--recipe", "labels-kl-1x", "--speedups", "3")) == 0
     dry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [m["label"] for m in dry["models"]] == ["1x", "3x", "mix2-3"]
@@ -173,7 +174,7 @@ def test_gpu_frontier_script_runs_on_cpu_with_a_tiny_model(tmp_path, tiny_dir, c
 
 
 def test_frontier_step_that_fails_is_logged_and_the_others_run(tmp_path, tiny_dir, csvs, capsys):
-    mod = load_script("frontier")
+    mod = load_benchmark("frontier")
     # 5x needs more than the tiny model's 8 layers allow with a warm-up layer
     assert mod.main(_args(tiny_dir, csvs, tmp_path, "--speedups", "1,5", "--mixed", "", "--epochs", "0.2",
                           "--name", "bad")) == 1

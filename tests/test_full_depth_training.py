@@ -87,12 +87,12 @@ def test_reschedule_adapter_changes_an_installed_schedule_in_place(tmp_path, cus
 
 
 def test_train_adapter_reschedule_edits_the_package_copy(tmp_path, custom_run, monkeypatch, capsys):
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
     root = tmp_path / "pkg"
     sa.install_adapter(custom_run, name="smollm2-135m-instruct", target_root=root, as_speedup=2)
     monkeypatch.setattr(sa, "SHIPPED_DIR", root)
-    script = load_script("train_adapter")
+    script = load_benchmark("train_adapter")
     assert script.main(["--reschedule", "--full-depth-steps", "2", "--ship-horizon", "3", "--note", "n"]) == 0
     meta = json.loads((root / "smollm2-135m-instruct" / "skipdecode.json").read_text())
     assert meta["policy"]["horizon"] == 3 and meta["storage"]["full_depth_steps_added"]["note"] == "n"

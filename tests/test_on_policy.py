@@ -231,9 +231,9 @@ def test_malformed_init_adapter_is_one_error_naming_the_field(base_dir, decode_o
 
 def test_train_adapter_script_words_config_errors_as_its_options(tmp_path, capsys):
     """benchmarks/train_adapter.py: a bad setting exits 2 with one line naming the script's option."""
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    script = load_script("train_adapter")
+    script = load_benchmark("train_adapter")
     args = script.parse_args(["--on-policy", "3", "--out", str(tmp_path / "r"), "--lora-alpha", "8"])
     assert args.lora_alpha == 8.0
     from skipdecode.train import TrainConfig

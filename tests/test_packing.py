@@ -251,9 +251,9 @@ def test_entry_bridge_subset():
 def test_train_adapter_install_options_fail_in_one_line(tmp_path, capsys):
     """--bridge-targets is checked by the parser (before any file is read); a run folder without
     skipdecode.json is one error line naming it, not a traceback."""
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    script = load_script("train_adapter")
+    script = load_benchmark("train_adapter")
     assert script.parse_args(["--bridge-targets", "10-29"]).bridge_targets == range(10, 30)
     for bad in ("10to29", "29-10"):
         with pytest.raises(SystemExit) as exc:

@@ -347,10 +347,10 @@ def test_cli_no_prefix_cache_reaches_generate_eval_and_serve(saved, tmp_path, mo
 
 
 def test_benchmarks_take_no_prefix_cache():
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    assert load_script("server_load")._parse(["--no-prefix-cache"]).no_prefix_cache is True
-    assert load_script("eval_e2e")._parse(["--no-prefix-cache"]).no_prefix_cache is True
+    assert load_benchmark("server_load")._parse(["--no-prefix-cache"]).no_prefix_cache is True
+    assert load_benchmark("eval_e2e")._parse(["--no-prefix-cache"]).no_prefix_cache is True
 
 
 # ---------------------------------------------------------- the server, a real process

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from test_recipe_study import load_script
+from conftest import load_benchmark
 from skipdecode.adapters import get_adapter
 
 
@@ -37,7 +37,7 @@ def _on_int4_grid(model):
 
 
 def test_a_small_delta_from_a_4_bit_base_is_erased_by_int4_and_kept_by_int8():
-    qd = load_script("quant_delta")
+    qd = load_benchmark("quant_delta")
     base = _on_int4_grid(make_model("llama"))
     small = qd.delta_survival(_moved(base, 0.01), base)  # far under half an int4 step
     assert small["int4"]["kept_share"] < 0.2 and small["int8"]["kept_share"] > 0.8
@@ -51,7 +51,7 @@ def test_a_small_delta_from_a_4_bit_base_is_erased_by_int4_and_kept_by_int8():
 
 
 def test_equal_or_mismatched_models_are_refused():
-    qd = load_script("quant_delta")
+    qd = load_benchmark("quant_delta")
     base = make_model("llama")
     with pytest.raises(ValueError, match="no fine-tuning delta"):
         qd.delta_survival(copy.deepcopy(base), base)
@@ -60,7 +60,7 @@ def test_equal_or_mismatched_models_are_refused():
 
 
 def test_cli_bad_checkpoint_exits_2_with_one_line(tmp_path, capsys):
-    qd = load_script("quant_delta")
+    qd = load_benchmark("quant_delta")
     assert qd.main(["--ckpt", str(tmp_path / "missing"), "--output", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1 and "missing" in err

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_tokenizer
-from test_recipe_study import load_script
+from conftest import load_benchmark
 from skipdecode.train import TrainConfig
 from skipdecode.training.prepare import load_run_data
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("schedule_select")
+    return load_benchmark("schedule_select")
 
 
 def test_selection_prompts_are_the_ones_training_never_sees(script, tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_recipe_study import load_script
+from conftest import load_benchmark
 from skipdecode.metrics import corpus_bleu, paired_bootstrap_bleu
 
 REFS = [[f"the {w} shop is near the river and serves food"] for w in
@@ -36,7 +36,7 @@ def _report(path, model, policy, gens, prompts=None):
 
 
 def test_script_compares_rows_and_refuses_bad_specs(tmp_path, capsys):
-    sig = load_script("significance")
+    sig = load_benchmark("significance")
     base = _report(tmp_path / "a.json", "1x", "full", GOOD)
     worse = _report(tmp_path / "b.json", "2x", "checkpoint", BAD)
     assert sig.main(["--baseline", base, "--system", worse, "--samples", "200", "--out", str(tmp_path)]) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from test_decode_only_adapter import decode_only_dir  # noqa: F401  (fixture)
-from test_recipe_study import load_script
+from conftest import load_benchmark
 from test_skip_adapter import NUM_LAYERS, adapter_dir, base_dir  # noqa: F401  (fixtures; decode_only_dir needs adapter_dir)
 from skipdecode import load
 from skipdecode.policy import LinearDecayPolicy
@@ -20,7 +20,7 @@ WARM = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=4, min_layers=2, warm
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("stock_warmup_probe")
+    return load_benchmark("stock_warmup_probe")
 
 
 def test_keep_delta_runs_the_adapted_weights_at_full_depth_steps(script, base_dir, decode_only_dir):  # noqa: F811

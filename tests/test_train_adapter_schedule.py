@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from test_recipe_study import load_script
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("train_adapter")
+    return load_benchmark("train_adapter")
 
 
 def test_explicit_schedule_becomes_the_trained_policy(script, tmp_path):

@@ -103,9 +103,9 @@ def test_install_as_speedup_refuses_bad_values_and_many_schedules(tmp_path, cust
 
 
 def test_train_adapter_as_speedup_is_checked_by_the_parser(capsys):
-    from test_recipe_study import load_script
+    from conftest import load_benchmark
 
-    script = load_script("train_adapter")
+    script = load_benchmark("train_adapter")
     assert script.parse_args(["--install", "--as-speedup", "2"]).as_speedup == 2.0
     for bad in ("1", "abc", "inf", "-2"):
         with pytest.raises(SystemExit) as exc:
