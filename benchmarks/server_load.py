@@ -250,15 +250,16 @@ def cell_prompts(texts: list[str], clients: int, offset: int, per_client: int = 
 
 async def load(url: str, texts: list[str], clients: int, speedup: float, max_tokens: int,
                chat: bool = False, served_model: str = "bench", offset: int = 0, per_client: int = 2,
-               ignore_eos: bool = False) -> dict:
+               ignore_eos: bool = False, server_pid: int | None = None) -> dict:
     """One load cell: ``clients`` concurrent streaming clients send ``max(8, per_client x clients)``
     requests to the server at ``url`` (serving ``served_model``), after an untimed warm-up round of
     ``clients`` concurrent requests with the same settings on other prompts.
     The cell uses prompts ``texts[offset : offset + cell_size(clients, per_client)]`` (cyclically),
     the last ``clients`` for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
     what prompts really share. Returns requests/s, tokens/s (from the server's ``usage``),
-    tokens per request, p50/p95 latency and time to first token (seconds) and the server's own
-    per-request means (:func:`engine_means`)."""
+    tokens per request, p50/p95 latency and time to first token (seconds), the server's own
+    per-request means (:func:`engine_means`) and the CPU the timed part used (:func:`cpu_use`;
+    the server's with ``server_pid``)."""
     from openai import AsyncOpenAI
 
     queue, warm = cell_prompts(texts, clients, offset, per_client)
@@ -275,9 +276,11 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
                 results.append(await one_request(client, prompt, max_tokens, speedup, chat, served_model,
                                                  ignore_eos))
 
+        cpu0 = cpu_snapshot(server_pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(clients)))
         seconds = time.perf_counter() - t0
+        cpu = cpu_use(cpu0, cpu_snapshot(server_pid), server_pid)
     lat = np.array([r[0] for r in results])
     ttft = np.array([r[1] for r in results])
     tokens = sum(r[2] for r in results)
@@ -287,21 +290,63 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
         "completion_tokens": tokens, "tokens_per_request": tokens / total,
         "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95)),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
-        **engine_means([r[3] for r in results]),
+        **engine_means([r[3] for r in results]), **cpu,
     }
+
+
+def _thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process ``pid``, from ``/proc`` ({} where
+    it cannot be read: not Linux, or the process is gone)."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (proc(5))
+    return out
+
+
+def cpu_snapshot(server_pid: int | None) -> tuple[float, dict[int, float]]:
+    """(this process's CPU seconds, all threads, from ``time.process_time``; the server's CPU
+    seconds per thread, {} without ``server_pid``)."""
+    return time.process_time(), (_thread_seconds(server_pid) if server_pid else {})
+
+
+def cpu_use(before: tuple[float, dict[int, float]], after: tuple[float, dict[int, float]],
+            server_pid: int | None = None) -> dict:
+    """CPU seconds between two :func:`cpu_snapshot`: ``client_cpu_s`` (the load client: the
+    ``openai`` client, its event loop), and where the server's threads were read,
+    ``server_cpu_s`` (all its threads) and ``server_loop_cpu_s`` (its main thread, which runs
+    uvicorn's event loop: HTTP, JSON, the streams); the rest is the engine thread and PyTorch's
+    worker threads. Both share the host's cores with the engine (docs/serving.md)."""
+    out = {"client_cpu_s": after[0] - before[0], "server_cpu_s": None, "server_loop_cpu_s": None}
+    if before[1] and after[1]:
+        out["server_cpu_s"] = sum(after[1].values()) - sum(before[1].values())
+        main = server_pid  # the main thread's id is the process id
+        if main in after[1]:
+            out["server_loop_cpu_s"] = after[1][main] - before[1].get(main, 0.0)
+    return out
 
 
 def table(rows: list[dict]) -> str:
     head = ("| run | mode | clients | speedup | req/s | tok/s | tokens/req | p50 latency s | p95 latency s | "
-            "p50 TTFT s | p95 TTFT s | step ms | theor. |")
-    lines = [head, "|" + "---|" * 13]
+            "p50 TTFT s | p95 TTFT s | step ms | theor. | CPU s: client / server loop |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         per_req = r.get("tokens_per_request", r["completion_tokens"] / r["requests"])
         step = f"{r['step_ms']:.0f}" if r.get("step_ms") is not None else ""
         theo = f"{r['theoretical_speedup']:.2f}x" if r.get("theoretical_speedup") is not None else ""
+        cpu = " / ".join(f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("client_cpu_s", "server_loop_cpu_s"))
         lines.append(f"| {r.get('repeat', 0) + 1} | {r['mode']} | {r['clients']} | {r['speedup']:g}x | {r['requests_per_second']:.2f} | "
                      f"{r['tokens_per_second']:.1f} | {per_req:.1f} | {r['latency_p50']:.2f} | {r['latency_p95']:.2f} | "
-                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {step} | {theo} |")
+                     f"{r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {step} | {theo} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -399,6 +444,17 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+def run_client(coro):
+    """Run the load client's coroutine on uvloop's event loop where it is installed (a
+    dependency of skipdecode, as the server's), else asyncio's: the client shares the cores
+    with the server, and uvloop costs it less CPU (``client_cpu_s``)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def run_cell(args: argparse.Namespace, texts: list[str], mode: str, clients: int, speedup: float,
              offset: int) -> dict:
     """One cell on a fresh server (``mode``), so that its prefix cache starts empty: the row of
@@ -408,8 +464,9 @@ def run_cell(args: argparse.Namespace, texts: list[str], mode: str, clients: int
     try:
         before = prefix_stats(url)
         row = {"mode": mode, "prompt_offset": offset,
-               **asyncio.run(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset,
-                                  per_client=args.requests_per_client, ignore_eos=args.ignore_eos))}
+               **run_client(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset,
+                                 per_client=args.requests_per_client, ignore_eos=args.ignore_eos,
+                                 server_pid=proc.pid))}
         after = prefix_stats(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -26,7 +26,7 @@ from conftest import make_chain_model, make_model, make_tokenizer  # noqa: E402
 import importlib  # noqa: E402
 
 from skipdecode.model import SkipModel  # noqa: E402
-from skipdecode.server import create_app  # noqa: E402
+from skipdecode.server import create_app, uvicorn_options  # noqa: E402
 
 
 #: the chain model's prompt and answer (``--chain``)
@@ -67,7 +67,7 @@ def main() -> None:
     tok = make_tokenizer()
     model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", **uvicorn_options())
 
 
 if __name__ == "__main__":

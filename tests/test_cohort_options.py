@@ -159,7 +159,7 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
     try:
         before = health(url)["scheduler"]
         rows = {chat: asyncio.run(server_load.load(url, ["The Eagle is a", "Blue Spice serves"], 2, 2.0, 3, chat,
-                                                    served_model="tiny"))
+                                                    served_model="tiny", server_pid=proc.pid))
                 for chat in (False, True)}
         for chat, row in rows.items():
             assert row["requests"] == 8 and 0 < row["completion_tokens"] <= 8 * 3
@@ -168,6 +168,8 @@ def test_server_load_client_counts_tokens_of_text_and_chat_completions():
             # the server's own statistics, averaged over the cell's requests
             assert row["step_ms"] > 0 and 0 < row["prefill_s"] < row["latency_p50"] and row["batch_rows"] >= 1
             assert row["theoretical_speedup"] >= 1
+            # CPU of the timed part: the client's, the server's, and its event-loop (main) thread's
+            assert 0 < row["client_cpu_s"] and 0 < row["server_loop_cpu_s"] < row["server_cpu_s"]
         served = health(url)["scheduler"]["generated_tokens"] - before["generated_tokens"]
         warm_up = served - sum(row["completion_tokens"] for row in rows.values())
         # per cell one untimed warm-up round of 2 clients x at most 3 tokens, nothing else
@@ -269,3 +271,15 @@ def test_server_load_pairs_report_the_amdahl_ceiling_of_a_full_depth_prefill():
     assert pair["ceiling_at_theoretical_steps"] == pytest.approx(1.5)
     assert server_load.pairs(rows[1:]) == []  # no full-depth cell: nothing to pair
     assert "| 250 | 1.00x |" in server_load.table(rows[:1])
+
+
+def test_server_load_cpu_use_takes_differences_per_thread_and_the_main_thread_as_the_loop():
+    from conftest import load_benchmark
+
+    server_load = load_benchmark("server_load")
+    before = (1.0, {100: 2.0, 101: 5.0})
+    after = (1.5, {100: 2.25, 101: 7.0, 102: 1.0})  # thread 102 started in between
+    use = server_load.cpu_use(before, after, 100)
+    assert use == {"client_cpu_s": 0.5, "server_cpu_s": 3.25, "server_loop_cpu_s": 0.25}
+    assert server_load.cpu_use((1.0, {}), (2.0, {}), None) == {
+        "client_cpu_s": 1.0, "server_cpu_s": None, "server_loop_cpu_s": None}

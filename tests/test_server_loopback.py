@@ -229,3 +229,24 @@ def test_full_queue_answers_429_in_openai_shape(serial_server):
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "rate_limit_error"
     assert "max_waiting" in err["message"] and resp.headers["retry-after"] == "1"
+
+
+def test_server_process_runs_on_uvloop_with_the_stack_uvicorn_options_names(server):
+    """The real server process runs its event loop on uvloop (a dependency where it installs), as
+    :func:`uvicorn_options` asks; a missing install step would leave asyncio's loop."""
+    from skipdecode.server import uvicorn_options
+
+    opts = uvicorn_options()
+    assert opts == {"loop": "uvloop", "http": "httptools"}
+    assert health(server)["event_loop"] == "uvloop"
+
+
+def test_uvicorn_options_fall_back_to_asyncio_and_h11_without_the_fast_stack(monkeypatch):
+    import importlib.util
+
+    from skipdecode.server import uvicorn_options
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real(name, *a))
+    assert uvicorn_options() == {"loop": "asyncio", "http": "h11"}

@@ -498,12 +498,12 @@ def serve(
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     import uvicorn
 
-    from .server import create_app
+    from .server import create_app, uvicorn_options
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
-    uvicorn.run(app_, host=host, port=port, log_level="info")
+    uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())
 
 
 from .cli_bench import bench  # noqa: E402  (the bench command lives in its own module)
