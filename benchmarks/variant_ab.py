@@ -12,10 +12,15 @@ the generation's decode seconds / decode steps (``GenerationResult.stats``), in 
 
 Reported per variant: median step time per policy, the wall/theoretical speedup from those
 medians, and the median over rounds of each round's own full / skipped ratio (both measured
-within seconds of each other) over the theoretical speedup. Prints a Markdown table, writes
+within seconds of each other) over the theoretical speedup. With ``--layer-sweep 1,5,10,20,30``
+the rounds also run plans of a constant n layers, and a least-squares line through their medians
+splits a step into a cost per layer and a fixed cost per step that no skipping removes (the
+head, sampling, the step's Python), with the wall/theoretical that line predicts and the largest
+fixed cost that still allows 0.85 (issue 11's target). Prints a Markdown table, writes
 ``benchmarks/results/<name>.json`` (repo-relative paths) and a PNG, and ends with one JSON line.
 
     python benchmarks/variant_ab.py --variants float32+compile,head+compile,w8a8+compile --repeats 8 --name variant_ab_stop41
+    python benchmarks/variant_ab.py --variants head+compile,w8a8+compile --layer-sweep 1,5,10,20,30 --repeats 12
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -50,12 +57,28 @@ def build(names: list[str]) -> tuple[dict, object]:
     return models, base
 
 
-def measure(models: dict, speedup: float, repeats: int, new_tokens: int) -> list[dict]:
-    """Rows ``{variant, policy, mean_layers, step_ms_runs, step_ms}``; rounds rotate the order."""
+def sweep_policies(num_layers: int, counts: Sequence[int], warmup_layers: int) -> dict:
+    """``{"<n> layers": policy}``: every decode step runs the same ``n`` layers, the bottom
+    ``min(warmup_layers, n - 1)`` and the top rest, as the skipping policy's layers (a
+    :class:`~skipdecode.policy.LinearDecayPolicy` with ``max_layers = min_layers = n``).
+
+    Raises:
+        ValueError: a count outside 1..``num_layers`` (from the policy, naming the field).
+    """
+    from skipdecode.policy import LinearDecayPolicy
+
+    return {f"{n} layers": LinearDecayPolicy(num_layers, n, n, min(warmup_layers, n - 1)) for n in counts}
+
+
+def measure(models: dict, speedup: float, repeats: int, new_tokens: int, sweep: Sequence[int] = ()) -> list[dict]:
+    """Rows ``{variant, policy, mean_layers, step_ms_runs, step_ms}`` for full depth, the
+    ``speedup`` policy and each ``sweep`` count (:func:`sweep_policies`); rounds rotate the order."""
     from skipdecode.policy import FullPolicy
 
     any_sk = next(iter(models.values()))
-    policies = {"full": FullPolicy(any_sk.adapter.num_layers), f"{speedup:g}x": any_sk.policy_for(speedup=speedup)}
+    skipping = any_sk.policy_for(speedup=speedup)
+    policies = {"full": FullPolicy(any_sk.adapter.num_layers), f"{speedup:g}x": skipping,
+                **sweep_policies(any_sk.adapter.num_layers, sweep, getattr(skipping, "warmup_layers", 0))}
     cells = [(v, p) for v in models for p in policies]
     times = {c: [] for c in cells}
     layers = {}
@@ -93,12 +116,37 @@ def summarize(rows: list[dict], names: list[str], policy: str) -> tuple[list[str
     return lines, out
 
 
+def fit_fixed_cost(rows: list[dict], names: list[str], num_layers: int, mean_layers: float) -> tuple[list[str], dict]:
+    """Markdown lines and ``{variant: {...}}`` from the layer-sweep rows (policy ``"<n> layers"``):
+    the least-squares line ``step_ms = fixed_ms + per_layer_ms * n`` over the median step times
+    (``numpy.polyfit``, degree 1), and the wall/theoretical it predicts for a policy running
+    ``mean_layers`` of ``num_layers`` on average:
+    ``(fixed + per_layer L) / (fixed + per_layer m) / (L / m)``. The per-step cost that no skip
+    removes (head, sampling, the step's Python) is ``fixed_ms``; a ratio r needs
+    ``fixed_ms <= per_layer_ms * (L - r L) / (r L / m - 1)`` (``fixed_ms_allowed_at_0.85``).
+    {} without sweep rows."""
+    out, lines = {}, ["| variant | per layer (ms) | fixed per step (ms) | fixed allowed for 0.85 (ms) | "
+                      "predicted wall / theoretical |", "|---|---:|---:|---:|---:|"]
+    for v in names:
+        pts = sorted((r["mean_layers"], r["step_ms"]) for r in rows if r["variant"] == v and r["policy"].endswith(" layers"))
+        if len(pts) < 2:
+            continue
+        per_layer, fixed = (float(c) for c in np.polyfit([n for n, _ in pts], [t for _, t in pts], 1))
+        theo = num_layers / mean_layers
+        allowed = per_layer * (num_layers - 0.85 * num_layers) / (0.85 * theo - 1)
+        predicted = (fixed + per_layer * num_layers) / (fixed + per_layer * mean_layers) / theo
+        out[v] = {"layers": [n for n, _ in pts], "step_ms": [t for _, t in pts], "per_layer_ms": per_layer,
+                  "fixed_ms": fixed, "fixed_ms_allowed_at_0.85": allowed, "predicted_wall_over_theoretical": predicted}
+        lines.append(f"| {v} | {per_layer:.3f} | {fixed:.2f} | {allowed:.2f} | {predicted:.2f} |")
+    return (lines if out else []), out
+
+
 def plot(result: dict, png: Path) -> None:
     """Median step time per variant, full depth and skipped."""
     rows = result["rows"]
     names = list(dict.fromkeys(r["variant"] for r in rows))
     series = {p: [next(r["step_ms"] for r in rows if (r["variant"], r["policy"]) == (v, p)) for v in names]
-              for p in dict.fromkeys(r["policy"] for r in rows)}
+              for p in dict.fromkeys(r["policy"] for r in rows) if not p.endswith(" layers")}
     bar_chart(png, names, series, "variants round-robin in one process")
 
 
@@ -107,6 +155,9 @@ def main() -> None:
     ap.add_argument("--variants", default="float32+compile,head+compile",
                     help="comma-separated skipdecode bench --variants items")
     add_run_options(ap, 8, "variant_ab")
+    ap.add_argument("--layer-sweep", default="",
+                    help="comma-separated layer counts n (e.g. 1,5,10,20,30): also time plans that run the same n "
+                         "layers at every step, and fit step time = fixed + per-layer x n")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     from skipdecode.bench_engines import parse_variants
@@ -119,10 +170,21 @@ def main() -> None:
         ap.error(f"--variants needs distinct items, got {args.variants!r}")
     if args.repeats < 1 or args.new_tokens < 3 or not args.speedup >= 1:
         ap.error("--repeats must be >= 1, --new-tokens >= 3 and --speedup >= 1")
+    try:
+        sweep = sorted({int(n) for n in args.layer_sweep.split(",") if n.strip()})
+    except ValueError:
+        ap.error(f"--layer-sweep takes comma-separated layer counts, got {args.layer_sweep!r}")
+    if sweep and (len(sweep) < 2 or sweep[0] < 1):
+        ap.error(f"--layer-sweep needs at least two distinct counts >= 1, got {args.layer_sweep!r}")
     torch.set_num_threads(args.threads)
-    models, _ = build(names)
-    rows = measure(models, args.speedup, args.repeats, args.new_tokens)
+    models, base = build(names)
+    if sweep and sweep[-1] > base.adapter.num_layers:
+        ap.error(f"--layer-sweep counts must be at most the model's {base.adapter.num_layers} layers, got {sweep[-1]}")
+    rows = measure(models, args.speedup, args.repeats, args.new_tokens, sweep)
     lines, summary = summarize(rows, names, f"{args.speedup:g}x")
+    skip_layers = next(r["mean_layers"] for r in rows if r["policy"] == f"{args.speedup:g}x")
+    fit_lines, fits = fit_fixed_cost(rows, names, base.adapter.num_layers, skip_layers)
+    lines += [""] + fit_lines if fit_lines else []
     quantized = [summary[n] for n, q, _ in parse_variants(",".join(names)) if q is not None]
     best = max((s["wall_over_theoretical"] for s in quantized), default=None)
     targets = {"quantized_wall_over_theoretical_best": best,  # issue 11: >= 0.85 at 3x, batch 1
@@ -130,7 +192,7 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     result = {"benchmark": "variant_ab", "model": "embedded SmolLM2-135M-Instruct (stock weights)", "batch_size": 1,
               "new_tokens": args.new_tokens, "speedup": args.speedup, "repeats": args.repeats, "threads": args.threads,
-              "torch": torch.__version__, "rows": rows, "summary": summary, "targets": targets,
+              "torch": torch.__version__, "rows": rows, "summary": summary, "layer_sweep": fits, "targets": targets,
               "compile_reports": {v: m.compile_report.to_dict() if getattr(m, "compile_report", None) else None
                                   for v, m in models.items()},
               "command": "python benchmarks/variant_ab.py " + " ".join(sys.argv[1:]),
