@@ -19,7 +19,7 @@ head, sampling, the step's Python), with the wall/theoretical that line predicts
 fixed cost that still allows 0.85 (issue 11's target). Prints a Markdown table, writes
 ``benchmarks/results/<name>.json`` (repo-relative paths) and a PNG, and ends with one JSON line.
 
-    python benchmarks/variant_ab.py --variants float32+compile,head+compile,w8a8+compile --repeats 8 --name variant_ab_stop41
+    python benchmarks/variant_ab.py --variants float32+compile,head+compile,w8a8+compile,int4+compile --repeats 15 --name variant_ab_stop41
     python benchmarks/variant_ab.py --variants head+compile,w8a8+compile --layer-sweep 1,5,10,20,30 --repeats 12
 """
 
@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -42,12 +42,14 @@ from guard_memo_ab import PROMPT, add_run_options, bar_chart  # noqa: E402  (sha
 from server_load import report  # noqa: E402  (table, JSON and PNG the same way as the load benchmarks)
 
 
-def build(names: list[str]) -> tuple[dict, object]:
-    """``{name: SkipModel}`` for each parsed variant, all from one load of the embedded model."""
+def build(names: list[str], check: Callable[[object], None] = lambda base: None) -> tuple[dict, object]:
+    """``{name: SkipModel}`` for each parsed variant, all from one load of the embedded model;
+    ``check(base)`` runs on the loaded model before any variant is built (and may exit)."""
     from skipdecode import load
     from skipdecode.bench_engines import build_variant, parse_variants
 
     base = load(None, adapter=False)
+    check(base)
     models = {}
     for name, quantize, compile_mode in parse_variants(",".join(names)):
         variant, report_ = build_variant(base, quantize, compile_mode)
@@ -151,7 +153,7 @@ def plot(result: dict, png: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--variants", default="float32+compile,head+compile",
                     help="comma-separated skipdecode bench --variants items")
     add_run_options(ap, 8, "variant_ab")
@@ -177,9 +179,12 @@ def main() -> None:
     if sweep and (len(sweep) < 2 or sweep[0] < 1):
         ap.error(f"--layer-sweep needs at least two distinct counts >= 1, got {args.layer_sweep!r}")
     torch.set_num_threads(args.threads)
-    models, base = build(names)
-    if sweep and sweep[-1] > base.adapter.num_layers:
-        ap.error(f"--layer-sweep counts must be at most the model's {base.adapter.num_layers} layers, got {sweep[-1]}")
+
+    def check(base) -> None:  # before the variants are built (compiling takes minutes)
+        if sweep and sweep[-1] > base.adapter.num_layers:
+            ap.error(f"--layer-sweep counts must be at most the model's {base.adapter.num_layers} layers, got {sweep[-1]}")
+
+    models, base = build(names, check)
     rows = measure(models, args.speedup, args.repeats, args.new_tokens, sweep)
     lines, summary = summarize(rows, names, f"{args.speedup:g}x")
     skip_layers = next(r["mean_layers"] for r in rows if r["policy"] == f"{args.speedup:g}x")
