@@ -34,7 +34,7 @@ import torch
 
 from .cache import SkipCache
 from .lowrank import base_prefill
-from .forward import layer_attention_masks, positions_from_mask, skip_forward
+from .forward import positions_from_mask, skip_forward, step_masks
 from .generate import GenerationResult, _eos_ids, encode_prompts
 from .limits import check_stop
 
@@ -207,7 +207,7 @@ def calm_generate_ids(
             K = mask.shape[1]
             position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (PITFALLS 1)
             hidden = adapter.embed(token, position_ids)  # (1, 1, C)
-            masks = layer_attention_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K)
+            masks = step_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K), or None: no padding
             extra = adapter.layer_inputs(hidden, position_ids)
             exit_at, heads, logits = L, 0, None
             for layer_idx in range(L):

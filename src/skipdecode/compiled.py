@@ -379,7 +379,8 @@ def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dic
         mark(buf, [0, 2])
     batch = [0] if B > 1 else []
     mark(hidden, batch + ([1] if prefill else []))
-    mark(attention_mask, batch + ([2, 3] if prefill else []))
+    if attention_mask is not None:  # None: an unpadded decode step (forward.unmasked_layers)
+        mark(attention_mask, batch + ([2, 3] if prefill else []))
     for t in (write.slots, write.positions):
         if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == B:
             mark(t, batch)
@@ -490,8 +491,11 @@ def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_
 
     Per batch size, one generation runs the prefill and ``new_tokens - 1`` decode steps
     at full depth (every layer, so every layer's variant is compiled) with two different key
-    lengths, which is what makes key length symbolic, and one runs the model's skipping policy
-    past its full-depth first steps (:func:`_warm_policy`); then in-flight rows of different ages,
+    lengths, which is what makes key length symbolic, on equal prompts (decode steps without a
+    mask, :func:`skipdecode.forward.unmasked_layers`), and one runs the model's skipping policy
+    past its full-depth first steps (:func:`_warm_policy`) on the same prompts and, from batch 2
+    on, again on prompts of two lengths (left padding: decode steps with a mask; without a
+    skipping policy that run is at full depth); then in-flight rows of different ages,
     plans and slot layouts compile the engine's variants (:func:`_warm_up_inflight`). Adds the
     wall-clock seconds to ``report.compile_seconds``.
 
@@ -515,10 +519,16 @@ def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_
     lead = getattr(policy, "full_depth_steps", 0)
     for B in batch_sizes:
         prompts = ["Hello there, how are you?"] * B
+        # unpadded: decode steps whose layers get no mask (forward.unmasked_layers)
         generate(sk.adapter, sk.tokenizer, prompts, max_new_tokens=new_tokens, eos_token_ids=[], chat=False)
+        padded = [["Hi"] + prompts[1:]] if B > 1 else []  # left padding: decode steps with a mask
         if policy is not None:  # skipping steps (and a decode-only adapter's switch both ways)
-            generate(sk.adapter, sk.tokenizer, prompts, policy=policy, max_new_tokens=lead + new_tokens,
-                     eos_token_ids=[], chat=False)
+            for batch in [prompts] + padded:
+                generate(sk.adapter, sk.tokenizer, batch, policy=policy, max_new_tokens=lead + new_tokens,
+                         eos_token_ids=[], chat=False)
+        else:
+            for batch in padded:
+                generate(sk.adapter, sk.tokenizer, batch, max_new_tokens=new_tokens, eos_token_ids=[], chat=False)
         report.warmed_batch_sizes.append(B)
     _warm_up_inflight(sk, new_tokens)
     report.compile_seconds += time.perf_counter() - start

@@ -138,13 +138,14 @@ class Adapter:
         self,
         layer_idx: int,
         hidden: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         cache: Any,
         extra: dict[str, Any],
     ) -> torch.Tensor:
         """Run stock decoder layer ``layer_idx`` on ``hidden`` (B, T, C) -> (B, T, C).
 
-        ``attention_mask`` is the additive 4-D mask (B, 1, T, K); ``cache`` is a
+        ``attention_mask`` is the additive 4-D mask (B, 1, T, K), or None when every query sees
+        every key (:func:`skipdecode.forward.unmasked_layers`); ``cache`` is a
         :class:`skipdecode.cache.SkipCache` (or None in training) that the layer's attention
         updates through the HF ``Cache.update`` contract.
         """
@@ -190,7 +191,7 @@ class Adapter:
 
 
 def call_layer(
-    layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor, cache: Any, cache_kw: str, extra: dict[str, Any]
+    layer: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any, cache_kw: str, extra: dict[str, Any]
 ) -> torch.Tensor:
     """One stock decoder layer call, (B, T, C) -> (B, T, C): ``cache`` is passed under the
     keyword ``cache_kw`` (``cache`` or ``past_key_values``) and ``extra`` as keywords."""
