@@ -1,7 +1,7 @@
 """Unpadded decode steps without an attention mask, against the same steps with one, in one process.
 
-Since stop 42 a decode step whose queries may see every key (one new token per row, no padding,
-no window shorter than the keys: every batch-1 step) gives its layers no mask
+Since stop 42 a decode step whose queries may see every key (one new token per row, no padding)
+gives its layers without an attention window no mask
 (:func:`skipdecode.forward.unmasked_layers`); HF's SDPA attention then groups the query heads over
 the shared key/value heads instead of copying keys and values once per query head, which under
 ``torch.compile`` it does whenever a mask is passed. The copy grows with the context, so this
@@ -17,7 +17,7 @@ layer, the path before stop 42). Step time = decode seconds / decode steps, in m
 Markdown table, writes ``benchmarks/results/<name>.json`` (repo-relative paths) and a PNG, and
 ends with one JSON line.
 
-    python benchmarks/mask_ab.py --repeats 6 --name mask_ab_stop42
+    python benchmarks/mask_ab.py --repeats 14 --name mask_ab_stop42
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ def test_which_steps_need_no_mask():
     padded[1, 0] = 0
     assert unmasked_layers(adapter, padded, 1) == [False] * adapter.num_layers
     assert unmasked_layers(adapter, ones, 2) == [False] * adapter.num_layers  # a prefill keeps its causal mask
-    # a window: no mask while the keys fit in it, a mask once they do not
+    # windowed layers keep their mask, whether the keys fit the window or not (one compiled
+    # variant per layer for a whole generation)
     adapter.layer_windows = (4, None, 4, None, 4, None)
-    assert unmasked_layers(adapter, torch.ones(1, 4, dtype=torch.long), 1) == [True] * 6
+    assert unmasked_layers(adapter, torch.ones(1, 3, dtype=torch.long), 1) == [False, True] * 3
     assert unmasked_layers(adapter, torch.ones(1, 5, dtype=torch.long), 1) == [False, True] * 3
     masks = step_masks(adapter, torch.ones(1, 5, dtype=torch.long), 1, torch.float32)
     assert [m is None for m in masks] == [False, True] * 3 and masks[0].shape == (1, 1, 1, 5)
@@ -89,17 +90,34 @@ def test_padded_and_windowed_steps_keep_their_masks():
     assert all(m is not None for m in seen)
 
 
-def test_unmasked_decode_with_eager_attention_equals_sdpa():
-    """HF's eager attention takes a None mask too (no mask added): same tokens as SDPA."""
-    sdpa = make_model("llama")
-    eager = make_model("llama")
-    eager.config._attn_implementation = "eager"
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_unmasked_decode_with_eager_attention_equals_the_masked_one(family, monkeypatch):
+    """HF's eager attention takes a None mask too (it adds none): same tokens and logits as the
+    eager run with the all-visible masks forced."""
+    model = make_model(family)
+    model.config._attn_implementation = "eager"
+    adapter = get_adapter(model)
     ids = torch.randint(5, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
-    a = _decode(get_adapter(sdpa), ids, mask)
-    b = _decode(get_adapter(eager), ids, mask)
-    assert torch.equal(a[0], b[0])
-    torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-4)
+    got = _decode(adapter, ids, mask)
+    with monkeypatch.context() as m:
+        m.setattr(forward, "unmasked_layers", lambda a, am, T: [False] * a.num_layers)
+        want = _decode(adapter, ids, mask)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_teacher_forcing_of_one_token_keeps_its_masks():
+    """``layer_mask`` (teacher forcing, which reads each layer's mask) over a single position
+    with nothing padded: the masks stay, and an all-True plan equals the plain forward (a
+    one-token suffix of base-prefill training once crashed on a None mask)."""
+    adapter = get_adapter(make_model("llama"))
+    ids = torch.tensor([[5]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        plain = forward.skip_forward(adapter, ids, mask)
+        taught = forward.skip_forward(adapter, ids, mask, layer_mask=torch.ones(1, 1, adapter.num_layers, dtype=torch.bool))
+    torch.testing.assert_close(taught, plain, rtol=0, atol=1e-6)
 
 
 def test_mask_ab_benchmark_toggles_the_path_and_reports_both(tokenizer, tmp_path):
@@ -138,3 +156,35 @@ def test_mask_ab_benchmark_toggles_the_path_and_reports_both(tokenizer, tmp_path
     text, source = ab.long_prompt(tmp_path, 2)
     assert "Article 0 text." in text and "Article 1 text." in text and "Article 2" not in text
     assert source.endswith("first 2 article(s)")
+
+
+def test_mixed_window_model_decodes_like_hf_without_padding():
+    """Qwen2 with a window on its top layers (shorter than the generation): in each unpadded
+    batch-1 step the windowed layers get their masks and the others none; tokens and logits
+    equal stock HF ``generate``."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(5)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         use_sliding_window=True, sliding_window=4, max_window_layers=3)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, 0.15)
+    adapter = get_adapter(model)
+    assert adapter.layer_windows == (None, None, None, 4, 4, 4)
+    ids = torch.randint(5, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    seen, hooks = _masks_seen(adapter)
+    tokens, logits = _decode(adapter, ids, mask, n=8)
+    for h in hooks:
+        h.remove()
+    step = seen[adapter.num_layers: 2 * adapter.num_layers]  # the first decode step's six layers
+    assert [m is None for m in step] == [True, True, True, False, False, False]
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(tokens, hf.sequences[:, ids.shape[1]:])
+    torch.testing.assert_close(logits, torch.stack(hf.logits, 1), rtol=0, atol=1e-5)

@@ -360,7 +360,7 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dict, write: Any,
+def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor | None, extra: dict, write: Any,
                   prefill: bool) -> None:
     """Mark a layer call's varying sizes symbolic before its first compile, so that a new batch
     size (or, in a prefill, prompt length or key length) compiles nothing: the cache buffers'
@@ -368,7 +368,8 @@ def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor, extra: dic
     capacity, D)); the batch B (dimension 0 of every input and of a slot view's (B,) slots and
     positions, when B > 1; a batch of one keeps its own graph); and, with ``prefill``, the new
     tokens T (``hidden`` (B, T, C), dimension 1 of every extra of T positions such as position ids
-    (B, T) and rotary tables (B, T, D)) and the key length K (``attention_mask`` (B, 1, T, K))."""
+    (B, T) and rotary tables (B, T, D)) and the key length K (``attention_mask`` (B, 1, T, K);
+    None in an unpadded decode step, :func:`skipdecode.forward.unmasked_layers`)."""
     B, T = hidden.shape[:2]
 
     def mark(t: torch.Tensor, dims: list[int]) -> None:

@@ -98,23 +98,25 @@ def layer_attention_masks(
 
 
 def unmasked_layers(adapter: Adapter, attention_mask: torch.Tensor, num_queries: int) -> list[bool]:
-    """Per layer (L entries), whether its mask would let every query see every key, so that the
-    layer can run without one: one new token per row (``num_queries`` T = 1), no padding
+    """Per layer (L entries), whether it runs without a mask because its mask would let every
+    query see every key: one new token per row (``num_queries`` T = 1), no padding
     (``attention_mask`` (B, K) all ones, so each row's history is all K positions, every row at
-    position K - 1) and no attention window shorter than K (``adapter.layer_windows``).
+    position K - 1), and a layer without an attention window (``adapter.layer_windows``; a
+    windowed layer keeps its mask even while K fits the window, so that its compiled variant
+    never changes mid-generation).
 
-    Such a step is every batch-1 decode step and every step of an unpadded batch. HF's SDPA
-    attention given no mask groups the query heads over the shared key/value heads
-    (``enable_gqa``, transformers' ``sdpa_attention_forward``) instead of copying the keys and
-    values once per query head (``repeat_kv``), which it does under torch.compile whenever a mask
-    is passed: on the 2-core test host, an 827-token prompt decodes 7 % faster at full depth and
-    13 % at 3x with float32 + compile (same tokens); short prompts are unchanged.
+    Such a step is every batch-1 decode step and every step of an unpadded batch (for the layers
+    without a window). HF's SDPA attention given no mask groups the query heads over the shared
+    key/value heads (``enable_gqa``, transformers' ``sdpa_attention_forward``) instead of copying
+    the keys and values once per query head (``repeat_kv``), which it does under torch.compile
+    whenever a mask is passed: on the 2-core test host a 749-token prompt decodes 10 % faster at
+    full depth and 12 % at 3x with float32 + compile (same tokens; docs/quantization.md); short
+    prompts are unchanged.
     """
     L = adapter.num_layers
     if num_queries != 1 or not bool(attention_mask.all()):
         return [False] * L
-    K = attention_mask.shape[-1]
-    return [w is None or K <= w for w in adapter.layer_windows]
+    return [w is None for w in adapter.layer_windows]
 
 
 def step_masks(adapter: Adapter, attention_mask: torch.Tensor, num_queries: int, dtype: torch.dtype,
@@ -236,8 +238,11 @@ def skip_forward(
     position_ids = positions_from_mask(attention_mask)[:, K - T :]
     hidden = adapter.embed(input_ids, position_ids)
     # per layer (B, 1, T, K), or with row_layers (B, 1, 1, K), each row's query at its own
-    # position; None where every query sees every key (unpadded decode steps)
-    masks = step_masks(adapter, attention_mask, T, hidden.dtype, per_row=row_layers is not None)
+    # position; None where every query sees every key (unpadded decode steps, not in teacher forcing)
+    if layer_mask is not None:  # teacher forcing: every layer keeps its mask (_masked_layer reads it)
+        masks = layer_attention_masks(adapter, attention_mask, T, hidden.dtype)
+    else:
+        masks = step_masks(adapter, attention_mask, T, hidden.dtype, per_row=row_layers is not None)
     extra = adapter.layer_inputs(hidden, position_ids)
     extras = {T: extra}  # per prefix length (sparse teacher forcing)
     prefix = _active_prefix_lengths(layer_mask) if layer_mask is not None and sparse else None
