@@ -80,16 +80,22 @@ def make_config(family: str, num_layers: int = 6):
 FAMILIES = ["llama", "mistral", "qwen2", "opt", "opt_postln", "opt_proj", "gpt2"]
 
 
-def make_model(family: str, num_layers: int = 6, seed: int = 0):
-    """Tiny random float32 model of ``family`` in eval mode, SDPA attention."""
+def model_from_config(config, seed: int = 0):
+    """Tiny random float32 model of a transformers ``config`` in eval mode, SDPA attention, its
+    matrices drawn from N(0, 0.15) after ``torch.manual_seed(seed)`` (larger than the default
+    init, so that greedy paths are not all one token)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family, num_layers), attn_implementation="sdpa")
-    # larger-than-default init so that greedy paths are not all one token
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim >= 2:
                 p.normal_(0, 0.15)
     return model.eval()
+
+
+def make_model(family: str, num_layers: int = 6, seed: int = 0):
+    """Tiny random float32 model of ``family`` in eval mode, SDPA attention (:func:`model_from_config`)."""
+    return model_from_config(make_config(family, num_layers), seed)
 
 
 def make_chain_model(tokenizer, prompt: str, text: str, num_layers: int = 6):

@@ -107,14 +107,9 @@ def test_sliding_window_matches_hf():
     """Mistral with a sliding window shorter than the sequence: our mask == HF's window."""
     cfg = make_config("mistral", NUM_LAYERS)
     cfg.sliding_window = 4
-    torch.manual_seed(3)
-    from transformers import AutoModelForCausalLM
+    from conftest import model_from_config
 
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.15)
+    model = model_from_config(cfg, seed=3)
     adapter = get_adapter(model)
     assert adapter.layer_windows == (4,) * NUM_LAYERS
     ids, mask = left_pad(prompts([9, 5]), 0)

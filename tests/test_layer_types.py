@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
-from conftest import VOCAB, left_pad
+from conftest import VOCAB, left_pad, model_from_config
 from skipdecode import LinearDecayPolicy, UnsupportedArchitectureError, generate_step, get_adapter
 from skipdecode.forward import layer_attention_masks, skip_forward
 
@@ -63,13 +63,7 @@ CASES = {
 
 def build(name: str):
     make, windows = CASES[name]
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(make(), attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.15)
-    return model, windows
+    return model_from_config(make(), seed=5), windows
 
 
 def prompts(lengths=(11, 6, 9)) -> list[list[int]]:

@@ -162,17 +162,14 @@ def test_mixed_window_model_decodes_like_hf_without_padding():
     """Qwen2 with a window on its top layers (shorter than the generation): in each unpadded
     batch-1 step the windowed layers get their masks and the others none; tokens and logits
     equal stock HF ``generate``."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
-    torch.manual_seed(5)
+    from conftest import model_from_config
+
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          use_sliding_window=True, sliding_window=4, max_window_layers=3)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.15)
+    model = model_from_config(config, seed=5)
     adapter = get_adapter(model)
     assert adapter.layer_windows == (None, None, None, 4, 4, 4)
     ids = torch.randint(5, VOCAB, (1, 6), generator=torch.Generator().manual_seed(6))
