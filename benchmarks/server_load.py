@@ -329,9 +329,8 @@ def cpu_use(before: tuple[float, dict[int, float]], after: tuple[float, dict[int
     out = {"client_cpu_s": after[0] - before[0], "server_cpu_s": None, "server_loop_cpu_s": None}
     if before[1] and after[1]:
         out["server_cpu_s"] = sum(after[1].values()) - sum(before[1].values())
-        main = server_pid  # the main thread's id is the process id
-        if main in after[1]:
-            out["server_loop_cpu_s"] = after[1][main] - before[1].get(main, 0.0)
+        if server_pid in after[1]:  # the main thread's id is the process id
+            out["server_loop_cpu_s"] = after[1][server_pid] - before[1].get(server_pid, 0.0)
     return out
 
 
