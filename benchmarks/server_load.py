@@ -80,6 +80,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--align-steps", type=int, default=0,
                    help="in-flight server: `serve --align-steps` (hold waiting requests, at most this many "
                         "steps, while every running row is older; 0: off, whereas `serve` defaults to 8)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="`serve --stream-interval`: tokens per streamed event (first and last token at once)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="serve with `--no-prefix-cache` (off: the servers reuse shared prompt prefixes; "
                         "each row records the prompt tokens reused and computed, from /health)")
@@ -118,7 +120,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
               ("--max-tokens", args.max_tokens, ">= 1", args.max_tokens >= 1),
               ("--requests-per-client", args.requests_per_client, ">= 1", args.requests_per_client >= 1),
               ("--threads", args.threads, ">= 1", args.threads is None or args.threads >= 1),
-              ("--repeats", args.repeats, ">= 1", args.repeats >= 1)]
+              ("--repeats", args.repeats, ">= 1", args.repeats >= 1),
+              ("--stream-interval", args.stream_interval, ">= 1", args.stream_interval >= 1)]
     for option, value, allowed, ok in checks:
         if not ok:
             p.error(f"{option} must be {allowed}, got {value}")
@@ -169,6 +172,8 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
         if args.cohort_size != 1:
             cmd += ["--cohort-size", str(args.cohort_size)]
         cmd += ["--align-steps", str(args.align_steps)]  # always: the server's own default is 8
+    if args.stream_interval != 1:
+        cmd += ["--stream-interval", str(args.stream_interval)]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -498,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "server_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "endpoint": "chat" if args.chat else "completions",
         "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "max_batch_size": args.max_batch_size,
-        "cohort_size": args.cohort_size, "align_steps": args.align_steps, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
+        "cohort_size": args.cohort_size, "align_steps": args.align_steps, "stream_interval": args.stream_interval, "prefix_cache": not args.no_prefix_cache, "device": args.device, "server_threads": args.threads,
         "dtype": args.dtype, "quantize": args.quantize, "compile": args.compile, "repeats": args.repeats, "rows": rows, "pairs": pairs(rows), "targets": targets(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]),
         "results_file": os.path.relpath(path, ROOT),

@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--chain", action="store_true")
+    parser.add_argument("--stream-interval", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -64,6 +65,8 @@ def main() -> None:
                       cohort_size=args.cohort_size)
     if args.no_prefix_cache:
         kwargs["prefix_cache"] = False
+    if args.stream_interval != 1:
+        kwargs["stream_interval"] = args.stream_interval
     tok = make_tokenizer()
     model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)

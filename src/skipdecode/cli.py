@@ -458,6 +458,7 @@ def serve(
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
     align_steps: Optional[int] = typer.Option(None, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (default 8 in flight, 0 with --serial; 0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed event: a row's tokens are sent in groups of this many (its first and last token at once), as vLLM's and SGLang's --stream-interval; larger values spend less CPU per token on HTTP and client (docs/serving.md). 1: one event per token."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
@@ -476,6 +477,8 @@ def serve(
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
     if align_steps is not None and align_steps < 0:
         fail(f"--align-steps must be >= 0, got {align_steps}")
+    if stream_interval < 1:
+        fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
     if align_steps and serial:
         fail("--align-steps applies to in-flight batching; drop it or --serial")
     if align_steps is None:
@@ -502,7 +505,8 @@ def serve(
 
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
-                      cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
+                      cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
+                      stream_interval=stream_interval)
     uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())
 
 

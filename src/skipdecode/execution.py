@@ -12,6 +12,7 @@ hangs). A request whose client disconnects is cancelled: its rows leave the batc
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from .engine import Request, Row, TokenEvent, mean_batch_rows
@@ -26,21 +27,43 @@ class Submission:
     """The rows of one HTTP request in the scheduler, seen from the event loop.
 
     Create it on the event loop (it captures the running loop), then :meth:`start`. Events arrive
-    through an ``asyncio.Queue`` fed thread-safely by the engine thread.
+    through an ``asyncio.Queue`` fed thread-safely by the engine thread, in groups:
+    ``stream_interval`` (tokens, >= 1) holds a row's tokens on the engine thread until it has that
+    many, except its first token and its last, which go at once (vLLM's and SGLang's
+    ``--stream-interval``: fewer events, and fewer wake-ups of the event loop, per token; 1: every
+    token at once). A held group goes with the next group of any row of the request, and an
+    engine failure sends what is held before the exception.
     """
 
-    def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any) -> None:
+    def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any,
+                 stream_interval: int = 1) -> None:
         self.scheduler = scheduler
         self.requests = requests
         self.texts = texts
         self.job = job
+        self.stream_interval = stream_interval
         self.rows: list[Row | None] = [None] * len(requests)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.failed = False
+        self._held: list[TokenEvent] = []  # engine thread only: events not sent yet
+        self._since = [0] * len(requests)  # engine thread only: per row, tokens held
+        self._ready: deque = deque()  # event loop only: events received, not read yet
 
     def _sink(self, event: TokenEvent | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        """Engine thread: hold ``event`` or send it with what is held (class docstring)."""
+        if not isinstance(event, BaseException):
+            self._held.append(event)
+            i = event.row.request.tag
+            self._since[i] += 1
+            if self._since[i] < self.stream_interval and event.step > 0 and not event.finished:
+                return
+            self._since[i] = 0
+            group = self._held
+        else:
+            group = [*self._held, event]
+        self._held = []
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, group)
 
     def start(self) -> None:
         """Queue the rows. Raises :class:`~skipdecode.scheduler.QueueFull` or ValueError (nothing queued)."""
@@ -51,22 +74,31 @@ class Submission:
         """True when every row has ended (or the engine failed while they ran)."""
         return self.failed or all(r is not None for r in self.rows)
 
-    async def next(self, timeout: float | None = None) -> tuple[int, str, bool]:
-        """The next event as ``(row index, text delta, row finished)``.
+    async def next(self, timeout: float | None = None) -> list[tuple[int, str, bool]]:
+        """The next group of events (class docstring), as ``(row index, text delta, row
+        finished)`` with one entry per row that it holds: its tokens' text, joined.
 
         Raises:
             asyncio.TimeoutError: nothing within ``timeout`` seconds.
-            Exception: the engine failed while this request ran (the step's exception).
+            Exception: the engine failed while this request ran (the step's exception), after
+                the events sent before it were read.
         """
-        event = await asyncio.wait_for(self.queue.get(), timeout)
-        if isinstance(event, BaseException):
+        if not self._ready:
+            self._ready.extend(await asyncio.wait_for(self.queue.get(), timeout))
+        merged: dict[int, list] = {}
+        while self._ready and not isinstance(self._ready[0], BaseException):
+            event = self._ready.popleft()
+            i = event.row.request.tag
+            delta = self.texts[i].push(event.token, event.finished)
+            if event.finished:
+                self.rows[i] = event.row
+            entry = merged.setdefault(i, [i, "", False])
+            entry[1] += delta
+            entry[2] = event.finished
+        if not merged:  # the engine failed
             self.failed = True  # the scheduler dropped every row of this request
-            raise event
-        i = event.row.request.tag
-        delta = self.texts[i].push(event.token, event.finished)
-        if event.finished:
-            self.rows[i] = event.row
-        return i, delta, event.finished
+            raise self._ready.popleft()
+        return [tuple(e) for e in merged.values()]
 
     def cancel(self) -> None:
         """Drop the rows that have not ended; they leave the batch at the next engine step."""
@@ -102,11 +134,13 @@ class Submission:
 
 
 class Executor:
-    """Builds :class:`Submission` objects for ``model`` on ``scheduler``."""
+    """Builds :class:`Submission` objects for ``model`` on ``scheduler``, each sending its tokens in
+    groups of ``stream_interval`` (:class:`Submission`)."""
 
-    def __init__(self, model: SkipModel, scheduler: Scheduler) -> None:
+    def __init__(self, model: SkipModel, scheduler: Scheduler, stream_interval: int = 1) -> None:
         self.model = model
         self.scheduler = scheduler
+        self.stream_interval = stream_interval
         self.eos_token_ids = _eos_ids(model.tokenizer, model.model)
 
     def submit(self, job: Any) -> Submission:
@@ -127,6 +161,6 @@ class Executor:
                     texts[i].stopped if texts[i].stop else None, tag=i)
             for i, ids in enumerate(job.prompts)
         ]
-        sub = Submission(self.scheduler, reqs, texts, job)
+        sub = Submission(self.scheduler, reqs, texts, job, self.stream_interval)
         sub.start()
         return sub

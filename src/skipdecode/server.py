@@ -134,6 +134,7 @@ def create_app(
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
     align_steps: int = SERVE_ALIGN_STEPS,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
@@ -149,6 +150,9 @@ def create_app(
     prompts that share a prefix with recent ones prefill only the rest; each response's
     ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens. The app's
     ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included).
+    A streamed response sends each row's tokens in events of ``stream_interval`` tokens (its first
+    token and its last at once; vLLM's and SGLang's ``--stream-interval``; 1, the default: one
+    event per token), :class:`~skipdecode.execution.Submission`.
     On a CPU, load ``model`` through :func:`~skipdecode.scheduler.on_fresh_thread` (as ``skipdecode
     serve`` does): a model loaded on the thread that keeps running leaves a second OpenMP team
     beside the scheduler's, and every decode step pays for it (stop 37: 16-row steps 79-83 against
@@ -163,14 +167,16 @@ def create_app(
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
             [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
-            (:class:`~skipdecode.scheduler.Scheduler`).
+            (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1.
     """
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed event), got {stream_interval!r}")
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
                           cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache,
                           align_steps=0 if serial else align_steps)
-    executor = Executor(model, scheduler)
+    executor = Executor(model, scheduler, stream_interval)
     app.state.scheduler = scheduler
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
     tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
@@ -273,11 +279,11 @@ def create_app(
                 for i in range(n):
                     yield event(i, role=True)
             while not sub.finished:
-                i, delta, finished = await sub.next()
-                if delta:
-                    yield event(i, delta)
-                if finished:
-                    yield event(i, finish=reason(sub.texts[i].reason))
+                for i, delta, finished in await sub.next():
+                    if delta:
+                        yield event(i, delta)
+                    if finished:
+                        yield event(i, finish=reason(sub.texts[i].reason))
             if include_usage:
                 yield sse([], usage(sub.result(model.num_layers)))
         except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
