@@ -149,6 +149,25 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def record_server_commands(monkeypatch, server_load) -> dict:
+    """Make ``server_load``'s ``subprocess.Popen`` start a server that exits at once (status 3),
+    so that ``server_load.start_server`` raises SystemExit after recording its command: the
+    returned dict's ``"cmd"`` is the last command it ran."""
+    seen: dict = {}
+
+    class ExitedServer:
+        pid, returncode = 0, 3
+
+        def __init__(self, cmd, **kwargs):
+            seen["cmd"] = cmd
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(server_load.subprocess, "Popen", ExitedServer)
+    return seen
+
+
 def load_benchmark(name: str):
     """Import ``benchmarks/<name>.py`` as a module (the benchmarks folder is not a package; it
     goes on ``sys.path`` for the scripts' imports of each other, and the module into

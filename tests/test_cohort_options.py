@@ -207,21 +207,10 @@ def test_server_load_passes_the_server_threads_and_checks_them(monkeypatch, caps
     """--threads reaches `skipdecode serve --threads`; 0 is refused by the benchmark's parser;
     --align-steps always reaches an in-flight server (0 included), never a serial one; --quantize
     and --compile reach the server only when given, and an unknown format is refused."""
-    from conftest import load_benchmark
+    from conftest import load_benchmark, record_server_commands
 
     server_load = load_benchmark("server_load")
-    seen = {}
-
-    class ExitedServer:  # a server process that exits at once: start_server reports its command
-        pid, returncode = 0, 3
-
-        def __init__(self, cmd, **kwargs):
-            seen["cmd"] = cmd
-
-        def poll(self):
-            return self.returncode
-
-    monkeypatch.setattr(server_load.subprocess, "Popen", ExitedServer)
+    seen = record_server_commands(monkeypatch, server_load)
     with pytest.raises(SystemExit, match="status 3"):
         server_load.start_server(server_load._parse(["--threads", "1"]), serial=False)
     cmd = seen["cmd"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import load_benchmark, make_model, make_tokenizer
+from conftest import load_benchmark, make_model, make_tokenizer, record_server_commands
 from skipdecode.engine import Request, Row, TokenEvent
 from skipdecode.execution import Submission
 from skipdecode.generate import RowText
@@ -137,18 +137,7 @@ def test_serve_refuses_stream_interval_zero_before_loading(tmp_path):
 
 def test_server_load_passes_the_stream_interval_and_checks_it(monkeypatch, capsys):
     server_load = load_benchmark("server_load")
-    seen = {}
-
-    class ExitedServer:  # exits at once: start_server reports its command
-        pid, returncode = 0, 3
-
-        def __init__(self, cmd, **kwargs):
-            seen["cmd"] = cmd
-
-        def poll(self):
-            return self.returncode
-
-    monkeypatch.setattr(server_load.subprocess, "Popen", ExitedServer)
+    seen = record_server_commands(monkeypatch, server_load)
     with pytest.raises(SystemExit, match="status 3"):
         server_load.start_server(server_load._parse(["--stream-interval", "8"]), serial=False)
     assert seen["cmd"][seen["cmd"].index("--stream-interval") + 1] == "8"
