@@ -83,11 +83,15 @@ def test_interval_one_sends_every_token_at_once():
     assert [r[0][1] for r in read] == pieces
 
 
-def test_two_rows_share_groups_and_each_keeps_its_own_text():
-    """Row 0's count releases the group holding row 1's tokens too; each row's text is whole."""
+def test_each_row_of_a_request_gets_its_own_groups_and_its_own_text():
+    """Two rows stepping together: each gets groups of 1, 3, 3 for 7 tokens at interval 3 (a
+    row's group never carries, or is cut by, the other row's tokens); each row's text is whole."""
     groups, read, pieces = asyncio.run(_groups(interval=3, tokens=7, rows=2))
     assert groups[0] == [(0, 0)] and groups[1] == [(1, 0)]  # first tokens: at once, per row
-    assert all(len(g) <= 2 * 3 for g in groups)
+    for row in (0, 1):
+        mine = [g for g in groups if g[0][0] == row]
+        assert all(r == row for g in mine for r, _ in g)
+        assert [[s for _, s in g] for g in mine] == [[0], [1, 2, 3], [4, 5, 6]]
     for row in (0, 1):
         text = "".join(delta for group in read for i, delta, _ in group if i == row)
         assert text == "".join(pieces)

@@ -31,8 +31,9 @@ class Submission:
     ``stream_interval`` (tokens, >= 1) holds a row's tokens on the engine thread until it has that
     many, except its first token and its last, which go at once (vLLM's and SGLang's
     ``--stream-interval``: fewer events, and fewer wake-ups of the event loop, per token; 1: every
-    token at once). A held group goes with the next group of any row of the request, and an
-    engine failure sends what is held before the exception.
+    token at once). Each row's tokens are held and sent on their own, so every row of a request
+    gets groups of ``stream_interval``; an engine failure sends what every row holds before the
+    exception.
     """
 
     def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any,
@@ -46,23 +47,20 @@ class Submission:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.failed = False
-        self._held: list[TokenEvent] = []  # engine thread only: events not sent yet
-        self._since = [0] * len(requests)  # engine thread only: per row, tokens held
+        self._held: list[list[TokenEvent]] = [[] for _ in requests]  # engine thread only: per row, not sent yet
         self._ready: deque = deque()  # event loop only: events received, not read yet
 
     def _sink(self, event: TokenEvent | BaseException) -> None:
         """Engine thread: hold ``event`` or send it with what is held (class docstring)."""
-        if not isinstance(event, BaseException):
-            self._held.append(event)
-            i = event.row.request.tag
-            self._since[i] += 1
-            if self._since[i] < self.stream_interval and event.step > 0 and not event.finished:
-                return
-            self._since[i] = 0
-            group = self._held
+        if isinstance(event, BaseException):
+            group = [ev for held in self._held for ev in held] + [event]
+            self._held = [[] for _ in self._held]
         else:
-            group = [*self._held, event]
-        self._held = []
+            i = event.row.request.tag
+            self._held[i].append(event)
+            if len(self._held[i]) < self.stream_interval and event.step > 0 and not event.finished:
+                return
+            group, self._held[i] = self._held[i], []
         self.loop.call_soon_threadsafe(self.queue.put_nowait, group)
 
     def start(self) -> None:
