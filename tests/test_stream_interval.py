@@ -153,11 +153,13 @@ def test_server_load_passes_the_stream_interval_and_checks_it(monkeypatch, capsy
     assert exc.value.code == 2 and "--stream-interval must be >= 1, got 0" in capsys.readouterr().err
 
 
-async def _stream(url: str, max_tokens: int) -> tuple[list[str], dict]:
-    """Content pieces (one per SSE event with text) and the usage of one streamed completion."""
-    body = {"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "stream": True,
+async def _stream(url: str, max_tokens: int, prompt) -> tuple[dict[int, list[str]], dict]:
+    """Per choice index, the content pieces (one per SSE event with text), and the usage, of one
+    streamed completion of ``prompt`` (a string or a list: one row each)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    pieces, usage = [], None
+    pieces: dict[int, list[str]] = {}
+    usage = None
     async with httpx.AsyncClient(timeout=60) as client:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -165,26 +167,30 @@ async def _stream(url: str, max_tokens: int) -> tuple[list[str], dict]:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    pieces.append(chunk["choices"][0]["text"])
+                for choice in chunk["choices"]:
+                    if choice["text"]:
+                        pieces.setdefault(choice["index"], []).append(choice["text"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     return pieces, usage
 
 
 def test_a_grouped_stream_carries_the_same_text_in_fewer_events():
-    """A real server with --stream-interval 4 against one with the default, same tiny model:
-    the same text and token count; at most 1 + ceil(11 / 4) content events for 12 tokens, and
-    fewer than the default server sends."""
+    """A real server with --stream-interval 4 against one with the default, same tiny model, one
+    prompt and then two in one request: each row's text and the token counts equal; at most
+    1 + ceil(11 / 4) content events per row for 12 tokens, and fewer than the default sends."""
     grouped, url = start_server("--step-delay", str(STEP_DELAY), "--stream-interval", "4")
     plain, plain_url = start_server("--step-delay", str(STEP_DELAY))
     try:
-        g_pieces, g_usage = run(_stream(url, 12), timeout=60)
-        p_pieces, p_usage = run(_stream(plain_url, 12), timeout=60)
+        for prompt in ("hello there", ["hello there", "the cat sat"]):
+            g_pieces, g_usage = run(_stream(url, 12, prompt), timeout=60)
+            p_pieces, p_usage = run(_stream(plain_url, 12, prompt), timeout=60)
+            rows = 1 if isinstance(prompt, str) else len(prompt)
+            assert sorted(g_pieces) == sorted(p_pieces) == list(range(rows))
+            for i in range(rows):
+                assert "".join(g_pieces[i]) == "".join(p_pieces[i]) and "".join(p_pieces[i])
+                assert len(g_pieces[i]) <= 4 < len(p_pieces[i]), (i, g_pieces[i])
+            assert g_usage["completion_tokens"] == p_usage["completion_tokens"] == 12 * rows
     finally:
         stop_server(grouped)
         stop_server(plain)
-    assert "".join(g_pieces) == "".join(p_pieces) and "".join(p_pieces)
-    assert g_usage["completion_tokens"] == p_usage["completion_tokens"] == 12
-    assert len(g_pieces) <= 4 < len(p_pieces)
-
