@@ -12,7 +12,6 @@ hangs). A request whose client disconnects is cancelled: its rows leave the batc
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any
 
 from .engine import Request, Row, TokenEvent, mean_batch_rows
@@ -31,9 +30,9 @@ class Submission:
     ``stream_interval`` (tokens, >= 1) holds a row's tokens on the engine thread until it has that
     many, except its first token and its last, which go at once (vLLM's and SGLang's
     ``--stream-interval``: fewer events, and fewer wake-ups of the event loop, per token; 1: every
-    token at once). Each row's tokens are held and sent on their own, so every row of a request
-    gets groups of ``stream_interval``; an engine failure sends what every row holds before the
-    exception.
+    token at once). Each row's tokens are held and sent on their own (a queue item is one row's
+    events), so every row of a request gets groups of ``stream_interval``; an engine failure sends
+    what every row holds, then the exception.
     """
 
     def __init__(self, scheduler: Scheduler, requests: list[Request], texts: list[RowText], job: Any,
@@ -48,20 +47,21 @@ class Submission:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.failed = False
         self._held: list[list[TokenEvent]] = [[] for _ in requests]  # engine thread only: per row, not sent yet
-        self._ready: deque = deque()  # event loop only: events received, not read yet
 
     def _sink(self, event: TokenEvent | BaseException) -> None:
-        """Engine thread: hold ``event`` or send it with what is held (class docstring)."""
+        """Engine thread: hold ``event`` or send its row's group (class docstring)."""
         if isinstance(event, BaseException):
-            group = [ev for held in self._held for ev in held] + [event]
+            items = [held for held in self._held if held] + [event]
             self._held = [[] for _ in self._held]
         else:
-            i = event.row.request.tag
-            self._held[i].append(event)
-            if len(self._held[i]) < self.stream_interval and event.step > 0 and not event.finished:
+            held = self._held[event.row.request.tag]
+            held.append(event)
+            if len(held) < self.stream_interval and event.step > 0 and not event.finished:
                 return
-            group, self._held[i] = self._held[i], []
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, group)
+            items = [held[:]]
+            held.clear()
+        for item in items:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def start(self) -> None:
         """Queue the rows. Raises :class:`~skipdecode.scheduler.QueueFull` or ValueError (nothing queued)."""
@@ -73,30 +73,23 @@ class Submission:
         return self.failed or all(r is not None for r in self.rows)
 
     async def next(self, timeout: float | None = None) -> list[tuple[int, str, bool]]:
-        """The next group of events (class docstring), as ``(row index, text delta, row
-        finished)`` with one entry per row that it holds: its tokens' text, joined.
+        """The next group of one row's tokens (class docstring), as a one-entry list
+        ``[(row index, text delta, row finished)]``, the delta being its tokens' text joined.
 
         Raises:
             asyncio.TimeoutError: nothing within ``timeout`` seconds.
             Exception: the engine failed while this request ran (the step's exception), after
-                the events sent before it were read.
+                the groups sent before it were read.
         """
-        if not self._ready:
-            self._ready.extend(await asyncio.wait_for(self.queue.get(), timeout))
-        merged: dict[int, list] = {}
-        while self._ready and not isinstance(self._ready[0], BaseException):
-            event = self._ready.popleft()
-            i = event.row.request.tag
-            delta = self.texts[i].push(event.token, event.finished)
-            if event.finished:
-                self.rows[i] = event.row
-            entry = merged.setdefault(i, [i, "", False])
-            entry[1] += delta
-            entry[2] = event.finished
-        if not merged:  # the engine failed
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, BaseException):
             self.failed = True  # the scheduler dropped every row of this request
-            raise self._ready.popleft()
-        return [tuple(e) for e in merged.values()]
+            raise item
+        i, last = item[0].row.request.tag, item[-1]
+        delta = "".join(self.texts[i].push(ev.token, ev.finished) for ev in item)
+        if last.finished:
+            self.rows[i] = last.row
+        return [(i, delta, last.finished)]
 
     def cancel(self) -> None:
         """Drop the rows that have not ended; they leave the batch at the next engine step."""
