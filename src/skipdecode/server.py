@@ -31,7 +31,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import SERVE_ALIGN_STEPS
 from .execution import Executor, Submission
+from .generate import GenerationResult
 from .jsonio import dumps, json_safe
 from .model import SkipModel
 from .protocol import (
@@ -123,6 +124,221 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """400 ``invalid_request_error`` for a schema error or broken JSON (not FastAPI's 422)."""
+    message, param = validation_message(exc.errors())
+    return _error_response(400, message, param)
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An HTTP error (an :class:`APIError`, an unknown route) in OpenAI's shape, its headers kept."""
+    message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
+    return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
+                           headers=exc.headers)
+
+
+async def _on_server_error(request: Request, exc: Exception) -> JSONResponse:
+    """500 ``server_error`` for an unexpected exception."""
+    # Starlette still re-raises exc after this answer, so the server logs the traceback.
+    return _error_response(500, f"the server had an error while processing the request ({type(exc).__name__})")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Register on ``app`` the handlers that answer every error in OpenAI's body."""
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_server_error)
+
+
+def _engine_param(message: str, kind: str) -> Optional[str]:
+    """The request field an engine ValueError ``message`` blames (``kind``: "chat" or "text")."""
+    prompt_field = "messages" if kind == "chat" else "prompt"
+    return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop"})
+
+
+def _reason(r: str) -> str:
+    """OpenAI's ``finish_reason`` of a row's finish reason ``r``: "length", else "stop"."""
+    return "length" if r == "length" else "stop"
+
+
+def _usage(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI ``usage`` (tokens; ``prompt_tokens_details.cached_tokens``: prompt tokens
+    reused from the prefix cache) plus ``skipdecode``: the run's statistics (NaN as null)."""
+    stats = json_safe(result.stats())
+    return {
+        "prompt_tokens": stats["prompt_tokens"],
+        "completion_tokens": stats["new_tokens"],
+        "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
+        "prompt_tokens_details": {"cached_tokens": stats["cached_prompt_tokens"]},
+        "skipdecode": stats,
+    }
+
+
+class _Routes:
+    """One app's state (``model`` served as ``model_name``, its scheduler and executor) and the
+    route handlers :meth:`register` adds. The handlers have no docstrings on purpose: FastAPI would
+    publish them as the routes' OpenAPI descriptions."""
+
+    def __init__(self, model: SkipModel, model_name: str, scheduler: Scheduler, executor: Executor) -> None:
+        self.model = model
+        self.model_name = model_name
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
+
+    def register(self, app: FastAPI) -> None:
+        """Add the routes (the module docstring's endpoints) to ``app``."""
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id}", self.retrieve_model, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+
+    async def _validate(self, req) -> ValidRequest:
+        """:func:`validate_request` (prompts tokenized) on a worker thread, off the event loop."""
+        def check() -> ValidRequest:
+            with self.tokenizer_lock:
+                return validate_request(req, self.model, self.model_name)
+
+        return await asyncio.to_thread(check)
+
+    async def _submit(self, job: ValidRequest) -> Submission:
+        """Queue a validated request: 400 if the engine refuses it, 429 for a full queue."""
+        try:
+            return self.executor.submit(job)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_engine_param(str(e), job.kind)) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+
+    async def _collect(self, sub: Submission, request: Request) -> Optional[GenerationResult]:
+        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while not sub.finished:
+                try:
+                    await sub.next(timeout=0.25)
+                except asyncio.TimeoutError:
+                    pass
+                if loop.time() - checked >= 0.25:  # look for a vanished client 4 times a second
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return None
+            return sub.result(self.model.num_layers)
+        finally:
+            if not sub.finished:
+                sub.cancel()
+
+    async def _stream(self, sub: Submission, job: ValidRequest) -> AsyncIterator[str]:
+        """Server-sent events of one request: text deltas, each row's finish reason, with
+        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``.
+        If the client goes away, the generator is closed and the rows are cancelled."""
+        include_usage, kind = job.include_usage, job.kind
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        n = len(sub.requests)
+
+        def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = use  # OpenAI: null on every chunk but the last
+            return "data: " + dumps(body) + "\n\n"
+
+        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+            if kind == "chat":
+                delta = {"role": "assistant"} if role else ({"content": text} if text else {})
+                choice = {"index": i, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text or "", "finish_reason": finish}
+            return sse([choice])
+
+        try:
+            if kind == "chat":
+                for i in range(n):
+                    yield event(i, role=True)
+            while not sub.finished:
+                for i, delta, finished in await sub.next():
+                    if delta:
+                        yield event(i, delta)
+                    if finished:
+                        yield event(i, finish=_reason(sub.texts[i].reason))
+            if include_usage:
+                yield sse([], _usage(sub.result(self.model.num_layers)))
+        except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
+            yield "data: " + dumps(error_body(f"generation failed ({type(e).__name__})", "server_error")) + "\n\n"
+        finally:
+            if not sub.finished:
+                sub.cancel()
+        yield "data: [DONE]\n\n"
+
+    async def _respond(self, req, request: Request, body: Callable[[GenerationResult], dict[str, Any]]):
+        """Validate and queue ``req``: its event stream, 499 if the client is gone, else ``body(result)``."""
+        job = await self._validate(req)  # every check before the queue (and the stream)
+        sub = await self._submit(job)
+        if job.stream:
+            return StreamingResponse(self._stream(sub, job), media_type="text/event-stream")
+        result = await self._collect(sub, request)
+        if result is None:
+            return Response(status_code=499)  # the client is gone
+        return body(result)
+
+    def _model_card(self) -> dict[str, Any]:
+        """The served model as an OpenAI model object."""
+        return {"id": self.model_name, "object": "model", "owned_by": "skipdecode"}
+
+    def _completion(self, result: GenerationResult) -> dict[str, Any]:
+        """The ``text_completion`` body of a finished completions request."""
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [
+                {"index": i, "text": t, "finish_reason": _reason(r), "logprobs": None}
+                for i, (t, r) in enumerate(zip(result.texts, result.finish_reasons))
+            ],
+            "usage": _usage(result),
+        }
+
+    def _chat_completion(self, result: GenerationResult) -> dict[str, Any]:
+        """The ``chat.completion`` body of a finished chat request."""
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.texts[0]},
+                    "finish_reason": _reason(result.finish_reasons[0]),
+                }
+            ],
+            "usage": _usage(result),
+        }
+
+    async def health(self) -> dict[str, Any]:
+        loop = type(asyncio.get_running_loop()).__module__.split(".")[0]  # "uvloop" or "asyncio"
+        return {"status": "ok", "num_layers": self.model.num_layers, "policy": self.model.policy.to_dict(),
+                "scheduler": self.scheduler.stats(), "event_loop": loop}
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def retrieve_model(self, model_id: str) -> dict[str, Any]:
+        if model_id != self.model_name:
+            raise unknown_model(model_id, self.model_name)
+        return self._model_card()
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        return await self._respond(req, request, self._completion)
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        return await self._respond(req, request, self._chat_completion)
+
+
 def create_app(
     model: SkipModel,
     model_name: str = "skipdecode",
@@ -179,185 +395,6 @@ def create_app(
     executor = Executor(model, scheduler, stream_interval)
     app.state.scheduler = scheduler
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
-    tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
-        return _error_response(400, message, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
-        return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
-                               headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def on_server_error(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette still re-raises exc after this answer, so the server logs the traceback.
-        return _error_response(500, f"the server had an error while processing the request ({type(exc).__name__})")
-
-    def engine_param(message: str, kind: str) -> Optional[str]:
-        """The request field an engine ValueError ``message`` blames (``kind``: "chat" or "text")."""
-        prompt_field = "messages" if kind == "chat" else "prompt"
-        return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop"})
-
-    async def validate(req) -> ValidRequest:
-        """:func:`validate_request` (prompts tokenized) on a worker thread, off the event loop."""
-        def check() -> ValidRequest:
-            with tokenizer_lock:
-                return validate_request(req, model, model_name)
-
-        return await asyncio.to_thread(check)
-
-    async def submit(job: ValidRequest) -> Submission:
-        """Queue a validated request: 400 if the engine refuses it, 429 for a full queue."""
-        try:
-            return executor.submit(job)
-        except ValueError as e:
-            raise APIError(400, str(e), param=engine_param(str(e), job.kind)) from None
-        except QueueFull as e:
-            raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
-
-    async def collect(sub: Submission, request: Request):
-        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
-        try:
-            while not sub.finished:
-                try:
-                    await sub.next(timeout=0.25)
-                except asyncio.TimeoutError:
-                    pass
-                if loop.time() - checked >= 0.25:  # look for a vanished client 4 times a second
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        return None
-            return sub.result(model.num_layers)
-        finally:
-            if not sub.finished:
-                sub.cancel()
-
-    def usage(result) -> dict[str, Any]:
-        """OpenAI ``usage`` (tokens; ``prompt_tokens_details.cached_tokens``: prompt tokens
-        reused from the prefix cache) plus ``skipdecode``: the run's statistics (NaN as null)."""
-        stats = json_safe(result.stats())
-        return {
-            "prompt_tokens": stats["prompt_tokens"],
-            "completion_tokens": stats["new_tokens"],
-            "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
-            "prompt_tokens_details": {"cached_tokens": stats["cached_prompt_tokens"]},
-            "skipdecode": stats,
-        }
-
-    async def stream(sub: Submission, job: ValidRequest) -> AsyncIterator[str]:
-        """Server-sent events of one request: text deltas, each row's finish reason, with
-        ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``.
-        If the client goes away, the generator is closed and the rows are cancelled."""
-        include_usage, kind = job.include_usage, job.kind
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        n = len(sub.requests)
-
-        def sse(choices: list[dict[str, Any]], use: Optional[dict[str, Any]] = None) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = use  # OpenAI: null on every chunk but the last
-            return "data: " + dumps(body) + "\n\n"
-
-        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
-            if kind == "chat":
-                delta = {"role": "assistant"} if role else ({"content": text} if text else {})
-                choice = {"index": i, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": i, "text": text or "", "finish_reason": finish}
-            return sse([choice])
-
-        try:
-            if kind == "chat":
-                for i in range(n):
-                    yield event(i, role=True)
-            while not sub.finished:
-                for i, delta, finished in await sub.next():
-                    if delta:
-                        yield event(i, delta)
-                    if finished:
-                        yield event(i, finish=reason(sub.texts[i].reason))
-            if include_usage:
-                yield sse([], usage(sub.result(model.num_layers)))
-        except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
-            yield "data: " + dumps(error_body(f"generation failed ({type(e).__name__})", "server_error")) + "\n\n"
-        finally:
-            if not sub.finished:
-                sub.cancel()
-        yield "data: [DONE]\n\n"
-
-    def reason(r: str) -> str:
-        return "length" if r == "length" else "stop"
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        loop = type(asyncio.get_running_loop()).__module__.split(".")[0]  # "uvloop" or "asyncio"
-        return {"status": "ok", "num_layers": model.num_layers, "policy": model.policy.to_dict(),
-                "scheduler": scheduler.stats(), "event_loop": loop}
-
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
-
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "owned_by": "skipdecode"}
-
-    @app.get("/v1/models/{model_id}")
-    def retrieve_model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise unknown_model(model_id, model_name)
-        return model_card()
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        job = await validate(req)  # every check before the queue (and the stream)
-        sub = await submit(job)
-        if job.stream:
-            return StreamingResponse(stream(sub, job), media_type="text/event-stream")
-        result = await collect(sub, request)
-        if result is None:
-            return Response(status_code=499)  # the client is gone
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [
-                {"index": i, "text": t, "finish_reason": reason(r), "logprobs": None}
-                for i, (t, r) in enumerate(zip(result.texts, result.finish_reasons))
-            ],
-            "usage": usage(result),
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        job = await validate(req)
-        sub = await submit(job)
-        if job.stream:
-            return StreamingResponse(stream(sub, job), media_type="text/event-stream")
-        result = await collect(sub, request)
-        if result is None:
-            return Response(status_code=499)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.texts[0]},
-                    "finish_reason": reason(result.finish_reasons[0]),
-                }
-            ],
-            "usage": usage(result),
-        }
-
+    _add_error_handlers(app)
+    _Routes(model, model_name, scheduler, executor).register(app)
     return app
