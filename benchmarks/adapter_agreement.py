@@ -204,7 +204,8 @@ def common_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     return adapter_prompts.build_or_exit(args.data, mismatch="prompt set differs from the manifest:")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The script's options (those of :func:`add_common_args` included)."""
     ap = argparse.ArgumentParser(description="Agreement with the stock full-depth model on held-out prompts.")
     ap.add_argument("--adapter", default=None, help="LoRA folder (default: the adapter shipped in the package)")
     ap.add_argument("--speedups", default="2,3", type=_speedup_list,
@@ -231,15 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="when the adapter has an entry bridge, add the stock model with that bridge and no "
                          "LoRA at 2x (what the bridge alone does)")
     add_common_args(ap, "adapter_agreement")
-    args = ap.parse_args(argv)
+    return ap
 
-    import torch
 
-    import skipdecode
-    from skipdecode.entry_bridge import EntryBridge, attach_entry_bridge, entry_bridge_files
-    from skipdecode.policy import FullPolicy, for_speedup
-    from skipdecode.skip_adapter import shipped_adapter_for
-
+def _measured_rows(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """The prompt splits ``(train, measured)``: :func:`common_setup`, then ``--split`` and ``--limit``."""
     train_rows, held_rows = common_setup(ap, args)
     if args.train_sample < 1:
         ap.error(f"--train-sample must be >= 1, got {args.train_sample}")
@@ -248,19 +245,19 @@ def main(argv: list[str] | None = None) -> int:
         held_rows = random.Random(0).sample(train_rows, min(args.train_sample, len(train_rows)))
     if args.limit:
         held_rows = held_rows[: args.limit]
-    prompts = [r["prompt"] for r in held_rows]
-    adapter_path = Path(args.adapter) if args.adapter else shipped_adapter_for(skipdecode.DEFAULT_MODEL)
-    if adapter_path is None:
-        print("no shipped adapter found; pass --adapter DIR", file=sys.stderr)
-        return 1
+    return train_rows, held_rows
 
-    stock = skipdecode.load(adapter=False)
-    adapted = skipdecode.load(adapter=str(adapter_path), quantize=args.quantize, dtype=args.dtype)
+
+def _configs(ap: argparse.ArgumentParser, args: argparse.Namespace, stock, adapted, adapter_path: Path) -> list[tuple]:
+    """The rows to measure, reference first, as ``(model name, policy label, model, policy, entry bridge)``."""
+    import skipdecode
+    from skipdecode.entry_bridge import EntryBridge, entry_bridge_files
+    from skipdecode.policy import FullPolicy, for_speedup
+
     adapted_name = " ".join(["adapted", *([args.quantize] if args.quantize else []),
                              *([args.dtype] if args.dtype != "float32" else [])])
     horizon = adapted.horizon
     L = stock.num_layers
-    kw = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     configs = [("stock", "full", stock, FullPolicy(L), None), ("stock", "2x", stock, for_speedup(L, 2, horizon), None)]
     if entry_bridge_files(adapter_path) and args.bridge_ablation:  # what the bridge alone does, no LoRA
         configs.append(("stock + entry bridge", "2x", stock, for_speedup(L, 2, horizon), EntryBridge.load(adapter_path)))
@@ -284,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--schedules {hi}:{lo}: {e}")
         configs.append((adapted_name, f"{hi}->{lo}", adapted, p, None))
     configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
+    return configs
+
+
+def _measure(configs: list[tuple], prompts: list[str], **kw) -> list[dict]:
+    """Run each config on ``prompts`` and score it against the first (the reference), printing a line each."""
+    from skipdecode.entry_bridge import attach_entry_bridge
 
     rows, ref = [], None
     for model_name, label, sk, policy, bridge in configs:
@@ -301,35 +304,79 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{model_name} {label}: identical {row['exact']:.1f} %, ROUGE-L {row['rougeL']:.1f}, "
               f"speedup {row['theoretical_speedup']:.2f}x ({row['seconds']:.0f} s)", flush=True)
+    return rows
 
-    # examples: one per source kind, in held-out order
+
+def _example_indices(rows: list[dict]) -> list[int]:
+    """Indices of the first prompt of each source kind, in order."""
     seen, examples = set(), []
-    for i, r in enumerate(held_rows):
+    for i, r in enumerate(rows):
         if r["source"] not in seen:
             seen.add(r["source"])
             examples.append(i)
+    return examples
+
+
+def _report(args: argparse.Namespace, argv: list[str] | None, adapter_path: Path, train_rows: list[dict],
+            held_rows: list[dict], rows: list[dict], *, num_layers: int, horizon: int) -> dict:
+    """The results record: the run's settings, the measured prompts and the scored rows."""
+    import torch
+
+    import skipdecode
+
     m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]  # sha256 of the prompts measured
     shipped = args.adapter is None
-    report = {
+    return {
         "name": args.name, "command": " ".join(["python benchmarks/adapter_agreement.py", *(argv if argv is not None else sys.argv[1:])]),
-        "model": skipdecode.DEFAULT_MODEL, "num_layers": L, "horizon": horizon,
+        "model": skipdecode.DEFAULT_MODEL, "num_layers": num_layers, "horizon": horizon,
         "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)" if shipped else rel(adapter_path),
-        "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(prompts),
+        "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(held_rows),
         "split": args.split, "heldout_sha256": m["sha256"], "prompt_builder": "benchmarks/adapter_prompts.py",
         "data_dir": "../shared/data" if args.data is None else rel(args.data),
         "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "greedy": True, "chat": True,
         "quantize": args.quantize, "dtype": args.dtype,
         "versions": {"torch": torch.__version__, "skipdecode": getattr(skipdecode, "__version__", None)},
-        "prompts": held_rows, "example_indices": examples, "rows": rows,
+        "prompts": held_rows, "example_indices": _example_indices(held_rows), "rows": rows,
     }
-    out_dir = Path(args.out)
+
+
+def _write_results(report: dict, out_dir: Path) -> str:
+    """Write ``NAME.json`` and ``NAME.md`` into ``out_dir``; returns the Markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(dumps(report, indent=1, ensure_ascii=False) + "\n")
+    (out_dir / f"{report['name']}.json").write_text(dumps(report, indent=1, ensure_ascii=False) + "\n")
     md = to_markdown(report)
-    (out_dir / f"{args.name}.md").write_text(md)
-    print(md)
-    print(dumps({r["model"] + " " + r["policy_label"]: {"exact": round(r["exact"], 1), "rougeL": round(r["rougeL"], 1),
-                      "speedup": round(r["theoretical_speedup"], 2)} for r in rows}))
+    (out_dir / f"{report['name']}.md").write_text(md)
+    return md
+
+
+def _summary(rows: list[dict]) -> dict:
+    """The final JSON line: exact share, ROUGE-L and speedup per row."""
+    return {r["model"] + " " + r["policy_label"]: {"exact": round(r["exact"], 1), "rougeL": round(r["rougeL"], 1),
+                                                  "speedup": round(r["theoretical_speedup"], 2)} for r in rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+
+    import skipdecode
+    from skipdecode.skip_adapter import shipped_adapter_for
+
+    train_rows, held_rows = _measured_rows(ap, args)
+    prompts = [r["prompt"] for r in held_rows]
+    adapter_path = Path(args.adapter) if args.adapter else shipped_adapter_for(skipdecode.DEFAULT_MODEL)
+    if adapter_path is None:
+        print("no shipped adapter found; pass --adapter DIR", file=sys.stderr)
+        return 1
+
+    stock = skipdecode.load(adapter=False)
+    adapted = skipdecode.load(adapter=str(adapter_path), quantize=args.quantize, dtype=args.dtype)
+    configs = _configs(ap, args, stock, adapted, adapter_path)
+    rows = _measure(configs, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    report = _report(args, argv, adapter_path, train_rows, held_rows, rows,
+                     num_layers=stock.num_layers, horizon=adapted.horizon)
+    print(_write_results(report, Path(args.out)))
+    print(dumps(_summary(rows)))
     return 0
 
 

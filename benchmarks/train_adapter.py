@@ -62,10 +62,8 @@ def _speedup_above_one(text: str) -> float:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The script's settings (defaults: the shipped run)."""
-    ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _add_run_options(ap: argparse.ArgumentParser) -> None:
+    """Where the run goes, what it trains on and its skip schedule."""
     ap.add_argument("--out", default=str(REPO / "runs" / "skip-adapter"), help="run directory")
     ap.add_argument("--data", default=None, help="data folder (default ../shared/data or SKIPDECODE_DATA)")
     ap.add_argument("--model", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
@@ -78,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="explicit schedule instead of --speedups: layers after the horizon, the floor "
                          "(alone with --max-layers: a constant budget of --max-layers)")
     ap.add_argument("--horizon", type=int, default=32, help="decay horizon T (tokens)")
+
+
+def _add_training_options(ap: argparse.ArgumentParser) -> None:
+    """The optimizer, loss, LoRA, entry bridge and teacher-answer settings."""
     ap.add_argument("--max-steps", type=int, default=240, help="optimizer steps (the cosine schedule spans them)")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per optimizer step")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of the LoRA")
@@ -114,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit-prompts", type=int, default=None, help="use only the first N training prompts (pilot)")
     ap.add_argument("--eval-every", type=int, default=20, help="validation loss every N steps")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="checkpoint every N steps (2 kept)")
+
+
+def _add_machine_options(ap: argparse.ArgumentParser) -> None:
+    """Threads, device, precision and resuming."""
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (2: the shipped run, on a quiet 2-core CPU; 1 is faster on a busy one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -122,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "CPUs with AMX (amx_bf16 in /proc/cpuinfo) and on GPUs, about 12x slower than float32 on an AVX2-only "
                          "CPU (a warning says so); the teacher answers stay float32")
     ap.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
+
+
+def _add_install_options(ap: argparse.ArgumentParser) -> None:
+    """``--install`` and ``--reschedule``: shipping a run's adapter into the package."""
     ap.add_argument("--install", action="store_true", help="only copy OUT/final into the package data (float16)")
     ap.add_argument("--lora-format", default="float16", choices=("float16", "int8"),
                     help="with --install: how the LoRA weights are stored (int8: a quarter of float32, skipdecode.packing)")
@@ -146,6 +156,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--note", default=None, help="with --reschedule: how the new schedule was chosen (stored)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The script's settings (defaults: the shipped run)."""
+    ap = argparse.ArgumentParser(description="Retrain the shipped skip adapter of the embedded model.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_run_options(ap)
+    _add_training_options(ap)
+    _add_machine_options(ap)
+    _add_install_options(ap)
     return ap.parse_args(argv)
 
 
@@ -232,59 +252,65 @@ def _speedups(args: argparse.Namespace) -> tuple[float, ...]:
         raise SystemExit(2) from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
+def _name_prompt_set(meta: dict) -> None:
+    """Name the in-memory training data of ``meta`` (an adapter's skipdecode.json) as the prompt builder."""
+    data = meta.get("data", {})
+    if data.get("spec") == "<in-memory>":
+        data["spec"] = "benchmarks/adapter_prompts.py (train split)"
 
+
+def _reschedule(args: argparse.Namespace) -> int:
+    """``--reschedule``: change the installed adapter's schedule (exit 2 on a bad value)."""
+    from skipdecode.skip_adapter import SHIPPED_DIR, AdapterError, reschedule_adapter
+
+    try:
+        changes = reschedule_adapter(SHIPPED_DIR / "smollm2-135m-instruct", full_depth_steps=args.full_depth_steps,
+                                     horizon=args.ship_horizon, note=args.note)
+    except (AdapterError, ValueError) as e:
+        message = str(e)
+        for field, flag in (("full_depth_steps", "--full-depth-steps"), ("horizon", "--ship-horizon")):
+            if message.startswith(field + " "):  # the library names its field: name the option
+                message = flag + message[len(field):]
+        print(f"error: --reschedule: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(dumps({"rescheduled": "src/skipdecode/skip_adapters/smollm2-135m-instruct", **changes}))
+    return 0
+
+
+def _install(args: argparse.Namespace, out: Path) -> int:
+    """``--install``: copy OUT/final (or ``--install-from``) into the package data."""
+    from skipdecode.skip_adapter import install_adapter
+
+    src = Path(args.install_from) if args.install_from else out / "final"
+    meta_path = src / "skipdecode.json"
+    if not meta_path.is_file():
+        raise SystemExit(f"error: --install: {_rel(src)} holds no skipdecode.json (a finished run's final/ "
+                         "or a checkpoint; see --out and --install-from)")
+    meta = json.loads(meta_path.read_text())
+    if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
+        record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
+        train_rows, heldout_rows = adapter_prompts.build_or_exit(args.data)
+        meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
+                                          record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
+        meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
+        _name_prompt_set(meta)
+        from skipdecode.model import write_json_atomic
+
+        write_json_atomic(meta_path, meta)
+    try:
+        target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
+                                 bridge_targets=args.bridge_targets, as_speedup=args.as_speedup,
+                                 full_depth_steps=args.full_depth_steps, horizon=args.ship_horizon)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    print(dumps({"installed": _rel(target),
+                      "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
+    return 0
+
+
+def _train(args: argparse.Namespace, argv: list[str] | None, out: Path) -> int:
+    """Train the adapter on the training prompts and complete its skipdecode.json."""
     from skipdecode.train import TrainConfig, TrainConfigError, train
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    if args.reschedule:
-        from skipdecode.skip_adapter import SHIPPED_DIR, AdapterError, reschedule_adapter
-
-        try:
-            changes = reschedule_adapter(SHIPPED_DIR / "smollm2-135m-instruct", full_depth_steps=args.full_depth_steps,
-                                         horizon=args.ship_horizon, note=args.note)
-        except (AdapterError, ValueError) as e:
-            message = str(e)
-            for field, flag in (("full_depth_steps", "--full-depth-steps"), ("horizon", "--ship-horizon")):
-                if message.startswith(field + " "):  # the library names its field: name the option
-                    message = flag + message[len(field):]
-            print(f"error: --reschedule: {message}", file=sys.stderr)
-            raise SystemExit(2) from None
-        print(dumps({"rescheduled": "src/skipdecode/skip_adapters/smollm2-135m-instruct", **changes}))
-        return 0
-    if args.install:
-        from skipdecode.skip_adapter import install_adapter
-
-        src = Path(args.install_from) if args.install_from else out / "final"
-        meta_path = src / "skipdecode.json"
-        if not meta_path.is_file():
-            raise SystemExit(f"error: --install: {_rel(src)} holds no skipdecode.json (a finished run's final/ "
-                             "or a checkpoint; see --out and --install-from)")
-        meta = json.loads(meta_path.read_text())
-        if "adapter" not in meta:  # a checkpoint of an unfinished run: record what it is
-            record = json.loads((out / "train_record.json").read_text()) if (out / "train_record.json").exists() else {}
-            train_rows, heldout_rows = adapter_prompts.build_or_exit(args.data)
-            meta["adapter"] = _adapter_record("python benchmarks/train_adapter.py (checkpoint of an unfinished run)",
-                                              record.get("wall_seconds", 0) / 60, train_rows, heldout_rows, resumed=False)
-            meta["adapter"]["checkpoint_step"] = meta.get("training", {}).get("step")
-            if meta.get("data", {}).get("spec") == "<in-memory>":
-                meta["data"]["spec"] = "benchmarks/adapter_prompts.py (train split)"
-            from skipdecode.model import write_json_atomic
-
-            write_json_atomic(meta_path, meta)
-        try:
-            target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
-                                     bridge_targets=args.bridge_targets, as_speedup=args.as_speedup,
-                                     full_depth_steps=args.full_depth_steps, horizon=args.ship_horizon)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}")
-        print(dumps({"installed": _rel(target),
-                          "bytes": sum(f.stat().st_size for f in target.iterdir() if f.is_file())}))
-        return 0
 
     train_rows, heldout_rows = adapter_prompts.build_or_exit(
         args.data, mismatch="prompt set differs from benchmarks/adapter_prompts/manifest.json:")
@@ -317,15 +343,27 @@ def main(argv: list[str] | None = None) -> int:
     final = Path(result.final_dir)
     meta = json.loads((final / "skipdecode.json").read_text())
     meta["adapter"] = _adapter_record(command.strip(), minutes, train_rows, heldout_rows, resumed=args.resume)
-    data = meta.get("data", {})
-    if data.get("spec") == "<in-memory>":
-        data["spec"] = "benchmarks/adapter_prompts.py (train split)"
+    _name_prompt_set(meta)
     from skipdecode.model import write_json_atomic
 
     write_json_atomic(final / "skipdecode.json", meta)
     print(dumps({"final": _rel(final), "minutes": round(minutes, 1), "steps": result.steps,
                       "val_log": result.val_log, "horizon": result.horizon}), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if args.reschedule:
+        return _reschedule(args)
+    if args.install:
+        return _install(args, out)
+    return _train(args, argv, out)
 
 
 if __name__ == "__main__":

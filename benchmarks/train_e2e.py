@@ -162,52 +162,40 @@ def plot(record: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    speedups = _speedups(args.speedup)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
+def _measure_throughput(args: argparse.Namespace, data: str, speedups: list[float], command: str, device: str) -> int:
+    """``--measure-throughput``: time training steps, write train_throughput_quick.json, print the result."""
     import skipdecode
-    from skipdecode.data import DataError, load_examples, shared_data_path
-    from skipdecode.paths import portable_record
-    from skipdecode.train import TrainConfig, TrainConfigError, measure_throughput, train
+    from skipdecode.data import DataError, load_examples
     from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
+    from skipdecode.paths import portable_record
+    from skipdecode.train import measure_throughput
 
+    sk = skipdecode.load(args.model, device=device, adapter=False)
     try:
-        data = shared_data_path(args.data, "e2e/devset.csv")
-    except DataError as e:
+        examples = load_examples(data, task=args.task)
+        full = [1.0] + [s for s in speedups if s != 1]
+        result = measure_throughput(sk, examples, speedups=full, horizon=args.horizon,
+                                    batch_size=args.throughput_batch_size, steps=args.throughput_steps,
+                                    max_length=args.max_length)
+    except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/train_e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    result.update(model=args.model, command=command, machine=_machine(device),
+                  note="sparse teacher forcing (each layer runs on the positions whose plan includes it), "
+                       "forward + backward only; active_fraction is the share of (position, layer) pairs run; "
+                       "benchmarks/train_throughput.py is the full comparison")
+    out = RESULTS / "train_throughput_quick.json"
+    out.write_text(dumps(portable_record(result), indent=2) + "\n")
+    print(dumps(result))
+    return 0
 
-    if args.measure_throughput:
-        sk = skipdecode.load(args.model, device=device, adapter=False)
-        try:
-            examples = load_examples(data, task=args.task)
-            full = [1.0] + [s for s in speedups if s != 1]
-            result = measure_throughput(sk, examples, speedups=full, horizon=args.horizon,
-                                        batch_size=args.throughput_batch_size, steps=args.throughput_steps,
-                                        max_length=args.max_length)
-        except (DataError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        result.update(model=args.model, command=command, machine=_machine(device),
-                      note="sparse teacher forcing (each layer runs on the positions whose plan includes it), "
-                           "forward + backward only; active_fraction is the share of (position, layer) pairs run; "
-                           "benchmarks/train_throughput.py is the full comparison")
-        out = RESULTS / "train_throughput_quick.json"
-        out.write_text(dumps(portable_record(result), indent=2) + "\n")
-        print(dumps(result))
-        return 0
 
-    tag = _tag(args, speedups)
+def _train(args: argparse.Namespace, data: str, speedups: list[float], tag: str):
+    """Fine-tune from the stock weights; the TrainResult, or None after printing the error."""
+    import skipdecode
+    from skipdecode.data import DataError
+    from skipdecode.train import TrainConfig, TrainConfigError, train
+
     out_dir = Path(args.out) if args.out else ROOT / "runs" / f"e2e-{tag}"
     schedule = dict(speedup=speedups[0]) if len(speedups) == 1 else dict(speedups=tuple(speedups))
     try:
@@ -223,19 +211,21 @@ def main(argv: list[str] | None = None) -> int:
             prompt_grad=args.prompt_grad, teacher_forcing=args.teacher_forcing, **schedule,
         )
         sk = skipdecode.load(args.model, adapter=False)  # train from the stock weights
-        result = train(sk, data, config)
+        return train(sk, data, config)
     except TrainConfigError as e:
         option = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "speedups": "--speedup",
                   "resume": "--resume"}.get(e.field, "--" + e.field.replace("_", "-"))
         print(f"error: {option} {e.reason}", file=sys.stderr)
-        return 2
     except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    from accelerate import PartialState
+    return None
 
-    if not PartialState().is_main_process:  # under `accelerate launch`, one process writes the results
-        return 0
+
+def _write_results(args: argparse.Namespace, result, tag: str, command: str, device: str) -> dict:
+    """Write train_e2e_<tag>.json and .png; returns the summary printed as the final JSON line."""
+    from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
+    from skipdecode.paths import portable_record
+
     record = result.to_dict()
     record.update(model=args.model, tag=tag, command=command, machine=_machine(device))
     json_path = RESULTS / f"train_e2e_{tag}.json"
@@ -249,7 +239,43 @@ def main(argv: list[str] | None = None) -> int:
                                       "stopped_on_budget")}
     summary.update(final_train_loss=record["train_log"][-1]["loss"] if record["train_log"] else None,
                    final_val_loss=val, json=str(json_path), png=str(png_path))
-    print(dumps(summary))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    speedups = _speedups(args.speedup)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    from skipdecode.data import DataError, shared_data_path
+    from skipdecode.jsonio import dumps  # strict JSON: NaN/inf as null
+
+    try:
+        data = shared_data_path(args.data, "e2e/devset.csv")
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/train_e2e.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+
+    if args.measure_throughput:
+        return _measure_throughput(args, data, speedups, command, device)
+
+    tag = _tag(args, speedups)
+    result = _train(args, data, speedups, tag)
+    if result is None:
+        return 2
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # under `accelerate launch`, one process writes the results
+        return 0
+    print(dumps(_write_results(args, result, tag, command, device)))
     return 0
 
 
