@@ -39,6 +39,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     fail,
     load_model,
     out,
+    read_prompts_file,
     resolve_policy,
     sampling_from_options,
     stock_weights_at_full_depth,
@@ -75,19 +76,7 @@ def generate(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
-    all_prompts = list(prompts or [])
-    if prompts_file is not None:
-        if not prompts_file.exists():
-            fail(f"--prompts-file {prompts_file} does not exist")
-        from_file = [line for line in prompts_file.read_text().splitlines() if line.strip()]
-        if not from_file:
-            fail(f"--prompts-file {prompts_file} holds no prompts (one per line; blank lines are skipped)")
-        all_prompts += from_file
-    if not all_prompts:
-        fail("give at least one prompt (argument) or --prompts-file")
-    blank = [i + 1 for i, p in enumerate(prompts or []) if not p.strip()]
-    if blank:  # before the model loads; the library's message would name prompts[i] (0-based)
-        fail(f"PROMPT {blank[0]} is empty (of {len(prompts)} given as arguments): every prompt must hold text")
+    all_prompts = _collect_prompts(prompts, prompts_file)
     from .generate import generate as run_generate
 
     sampling = sampling_from_options(temperature, top_k, top_p, seed)
@@ -100,15 +89,47 @@ def generate(
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, chat, quantize, compile))
     single = len(all_prompts) == 1
+    show, live = _stream_view(sk.num_layers, len(all_prompts), single, as_json)
+    try:
+        if live is not None:
+            live.start()
+        result = run_generate(
+            sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
+            max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
+            max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
+            prefix_cache=prefix_cache,
+        )
+    except ValueError as e:
+        fail(str(e))
+    finally:
+        if live is not None:
+            live.stop()
+    _print_generation(result, single, as_json)
 
+
+def _collect_prompts(prompts: Optional[List[str]], prompts_file: Optional[Path]) -> List[str]:
+    """``generate``'s prompts: the arguments, then ``--prompts-file``'s lines (exits 2 on none or a blank one)."""
+    all_prompts = list(prompts or [])
+    if prompts_file is not None:
+        all_prompts += read_prompts_file(prompts_file, "holds no prompts (one per line; blank lines are skipped)")
+    if not all_prompts:
+        fail("give at least one prompt (argument) or --prompts-file")
+    blank = [i + 1 for i, p in enumerate(prompts or []) if not p.strip()]
+    if blank:  # before the model loads; the library's message would name prompts[i] (0-based)
+        fail(f"PROMPT {blank[0]} is empty (of {len(prompts)} given as arguments): every prompt must hold text")
+    return all_prompts
+
+
+def _stream_view(num_layers: int, n_rows: int, single: bool, as_json: bool):
+    """``generate``'s ``on_chunk`` callback and the live view it redraws (None: one prompt, or --json)."""
     from rich.console import Group
     from rich.live import Live
     from rich.text import Text
 
-    rows = [""] * len(all_prompts)
+    rows = [""] * n_rows
 
     def render(step: int = 0, layers: int = 0) -> Group:
-        head = Text(f"step {step}: {layers}/{sk.num_layers} layers", style="dim")
+        head = Text(f"step {step}: {layers}/{num_layers} layers", style="dim")
         return Group(head, *(Text(f"[{i}] {t}") for i, t in enumerate(rows)))
 
     # A batch streams into a live view (one line per row, redrawn as tokens arrive); the view
@@ -127,20 +148,13 @@ def generate(
             rows[i] += delta.replace("\n", " ")
         live.update(render(chunk.step + 1, len(chunk.active_layers)))
 
-    try:
-        if live is not None:
-            live.start()
-        result = run_generate(
-            sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
-            max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
-            max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
-            prefix_cache=prefix_cache,
-        )
-    except ValueError as e:
-        fail(str(e))
-    finally:
-        if live is not None:
-            live.stop()
+    return show, live
+
+
+def _print_generation(result, single: bool, as_json: bool) -> None:
+    """Print ``generate``'s result: one JSON object, or the texts (a batch's) and the statistics line."""
+    from rich.text import Text
+
     if as_json:
         print(dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
                           "token_ids": result.token_ids, "stats": result.stats()}))
@@ -233,57 +247,16 @@ def eval_command(
     baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values (as given, the same folder spelled otherwise, or its label in the table, e.g. NAME#2 for a second copy), e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
-    from .calm import CalmConfig
-    from .data import DataError, load_eval_items, select_items, shared_data_path
-    from .evaluate import TASKS, detect_task, evaluate
-    from .loading import DEFAULT_MODEL
+    from .data import DataError
+    from .evaluate import detect_task, evaluate
 
     check_quantize_option(quantize)
-    for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
-        try:
-            CalmConfig(threshold, calm_min_layers)
-        except ValueError as e:
-            fail(as_option_error(e, {"threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}))
-    # --stop '' alone means "no stop string" (the E2E default is a newline); otherwise the rule of
-    # skipdecode.limits, with \n and \t written as escapes
-    escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]
-    stops = [] if escaped == [""] else stop_from_options(escaped)
-    check_cohort_option(cohort_size, batch_size, "--batch-size")
-    if cohort_size > 1 and not inflight:
-        fail("--cohort-size applies to in-flight batching; drop it or --static")
-    if limit is not None and limit < 1:
-        fail(f"--limit must be >= 1, got {limit}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if task is not None and task not in TASKS:
-        fail(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    try:
-        data = shared_data_path(data, "e2e/testset_w_refs.csv")
-        items = load_eval_items(data, task=task, skip_bad_rows=skip_bad_rows)
-    except (DataError, ValueError) as e:
-        fail(str(e))
-    if getattr(items, "n_skipped", 0):
-        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {escape(str(data))}[/]", highlight=False)
-    try:
-        items = select_items(items, offset, limit, str(data))
-    except ValueError as e:
-        fail(str(e))
+    stops = _check_eval_options(calm_thresholds, calm_min_layers, stop, cohort_size, batch_size, inflight, limit,
+                                max_new_tokens, task)
+    data, items = _eval_items(data, task, skip_bad_rows, offset, limit)
     eval_task = task or detect_task(data)
     check_output_folder(out_dir, "--out")
-
-    def loader(spec):
-        named = spec in ("stock", "default") and not Path(spec).exists()
-        target = DEFAULT_MODEL if named else spec
-        use_adapter = not no_adapter and not (named and spec == "stock")  # 'stock' = the stock weights
-        return lambda: load_model(target, device, dtype, chat, quantize, compile, adapter=use_adapter)
-
-    entries = {}
-    for spec in models or ["stock"]:
-        label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
-        base, k = label, 2
-        while label in entries:
-            label, k = f"{base}#{k}", k + 1
-        entries[label] = loader(spec)
+    entries = _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter)
     specs = [*speedups, *policies] or None
     baseline_label = _baseline_label(baseline, list(models or ["stock"]), list(entries))
     command = command_line(ctx)
@@ -305,6 +278,71 @@ def eval_command(
         fail(f"cannot write the report to {out_dir}: {e}")
     print(report.to_markdown(), flush=True)  # plain print: rich would re-wrap the table's lines
     err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False, markup=False)
+
+
+def _check_eval_options(calm_thresholds, calm_min_layers, stop, cohort_size, batch_size, inflight, limit,
+                        max_new_tokens, task) -> list:
+    """Check ``eval``'s options before any data or model is read; return the ``--stop`` strings."""
+    from .calm import CalmConfig
+    from .evaluate import TASKS
+
+    for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
+        try:
+            CalmConfig(threshold, calm_min_layers)
+        except ValueError as e:
+            fail(as_option_error(e, {"threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}))
+    # --stop '' alone means "no stop string" (the E2E default is a newline); otherwise the rule of
+    # skipdecode.limits, with \n and \t written as escapes
+    escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]
+    stops = [] if escaped == [""] else stop_from_options(escaped)
+    check_cohort_option(cohort_size, batch_size, "--batch-size")
+    if cohort_size > 1 and not inflight:
+        fail("--cohort-size applies to in-flight batching; drop it or --static")
+    if limit is not None and limit < 1:
+        fail(f"--limit must be >= 1, got {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if task is not None and task not in TASKS:
+        fail(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    return stops
+
+
+def _eval_items(data, task, skip_bad_rows, offset, limit) -> tuple:
+    """``eval``'s data path (``--data`` or the shared E2E test set) and its selected items."""
+    from .data import DataError, load_eval_items, select_items, shared_data_path
+
+    try:
+        data = shared_data_path(data, "e2e/testset_w_refs.csv")
+        items = load_eval_items(data, task=task, skip_bad_rows=skip_bad_rows)
+    except (DataError, ValueError) as e:
+        fail(str(e))
+    if getattr(items, "n_skipped", 0):
+        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {escape(str(data))}[/]", highlight=False)
+    try:
+        items = select_items(items, offset, limit, str(data))
+    except ValueError as e:
+        fail(str(e))
+    return data, items
+
+
+def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) -> dict:
+    """``eval``'s table label -> loader of each ``--model`` (a repeated label gets ``#2``, ``#3``, ...)."""
+    from .loading import DEFAULT_MODEL
+
+    def loader(spec):
+        named = spec in ("stock", "default") and not Path(spec).exists()
+        target = DEFAULT_MODEL if named else spec
+        use_adapter = not no_adapter and not (named and spec == "stock")  # 'stock' = the stock weights
+        return lambda: load_model(target, device, dtype, chat, quantize, compile, adapter=use_adapter)
+
+    entries = {}
+    for spec in models or ["stock"]:
+        label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
+        base, k = label, 2
+        while label in entries:
+            label, k = f"{base}#{k}", k + 1
+        entries[label] = loader(spec)
+    return entries
 
 
 @app.command()

@@ -23,6 +23,7 @@ from .cli_common import (
     fail,
     load_model,
     out,
+    read_prompts_file,
 )
 from .jsonio import dumps
 
@@ -55,6 +56,49 @@ def bench(
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     from . import bench as B
 
+    sizes, targets, profile_sizes = _parse_bench_options(batch_sizes, speedups, profile_batch_sizes, new_tokens,
+                                                         repeats, warmup, horizon, bandwidth_gbs)
+    prompts = B.DEFAULT_PROMPTS
+    if prompts_file is not None:
+        prompts = tuple(read_prompts_file(prompts_file, "holds no prompt"))
+    check_output_folder(output.parent, "--output")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: CUDA is not available on this machine")
+    set_threads(threads, default_all_cores=True)
+    check_quantize_option(quantize)
+    if variants is not None and (quantize is not None or compile):
+        fail("give either --variants or --quantize/--compile, not both")
+    bench_kwargs = dict(batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
+                        warmup=warmup, include_hf=hf, prompts=prompts)
+    if variants is not None or quantize is not None or compile or llamacpp is not None:
+        if profile:
+            fail("--profile breaks down the float32 eager step only; leave out --variants/--quantize/--compile/--llamacpp")
+        variant_list = _parse_variant_list(variants, quantize, compile)
+        gguf = None if llamacpp is None else _llamacpp_gguf(llamacpp)
+        _bench_variants(ctx, model, device, dtype, not no_adapter, variant_list, gguf, output, plot, bench_kwargs)
+        return
+    sk = load_model(model, device, dtype, adapter=not no_adapter)
+    try:
+        result = B.run_benchmark(sk, **bench_kwargs, on_progress=_progress)
+        if profile:
+            result["profile"] = B.profile_decode(
+                sk, batch_sizes=profile_sizes, speedups=targets[-1:] if targets else (), new_tokens=new_tokens,
+                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, predict_speedups=targets, prompts=prompts,
+                on_progress=_progress,
+            )
+    except ValueError as e:
+        fail(str(e))
+    _report_float_bench(ctx, result, output, plot, profile)
+
+
+def _parse_bench_options(batch_sizes, speedups, profile_batch_sizes, new_tokens, repeats, warmup, horizon,
+                         bandwidth_gbs) -> tuple:
+    """Parse ``bench``'s list options and check its counts (exits 2 naming the option)."""
+    from . import bench as B
+
     try:
         sizes = B.parse_int_list(batch_sizes, "--batch-sizes")
         targets = B.parse_float_list(speedups, "--speedups")
@@ -68,70 +112,45 @@ def bench(
         fail(f"--horizon must be >= 1, got {horizon}")
     if bandwidth_gbs <= 0:
         fail(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
-    prompts = B.DEFAULT_PROMPTS
-    if prompts_file is not None:
-        if not prompts_file.exists():
-            fail(f"--prompts-file {prompts_file} does not exist")
-        prompts = tuple(line for line in prompts_file.read_text().splitlines() if line.strip())
-        if not prompts:
-            fail(f"--prompts-file {prompts_file} holds no prompt")
-    check_output_folder(output.parent, "--output")
-    if device.startswith("cuda"):
-        import torch
+    return sizes, targets, profile_sizes
 
-        if not torch.cuda.is_available():
-            fail(f"--device {device}: CUDA is not available on this machine")
-    set_threads(threads, default_all_cores=True)
-    import torch
 
-    check_quantize_option(quantize)
-    if variants is not None and (quantize is not None or compile):
-        fail("give either --variants or --quantize/--compile, not both")
-    if profile and (variants is not None or quantize is not None or compile or llamacpp is not None):
-        fail("--profile breaks down the float32 eager step only; leave out --variants/--quantize/--compile/--llamacpp")
-    if variants is not None or quantize is not None or compile or llamacpp is not None:
-        from . import bench_engines as E
-
-        try:
-            variant_list = E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
-        except ValueError as e:
-            fail(str(e))
-        gguf = None
-        if llamacpp is not None:
-            from .loading import LoadError, embedded_gguf_path
-
-            try:
-                gguf = str(embedded_gguf_path()) if llamacpp == "default" else llamacpp
-            except LoadError as e:
-                fail(f"--llamacpp: {e}")
-            if not Path(gguf).is_file():
-                fail(f"--llamacpp {gguf}: no such GGUF file")
-            try:
-                import llama_cpp  # noqa: F401
-            except ImportError:
-                fail("--llamacpp needs llama-cpp-python: pip install -e '.[bench-llamacpp]'")
-        _bench_variants(ctx, model, device, dtype, not no_adapter, variant_list, gguf, output, plot, dict(
-            batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
-            warmup=warmup, include_hf=hf, prompts=prompts))
-        return
-    sk = load_model(model, device, dtype, adapter=not no_adapter)
-
-    def progress(msg: str) -> None:
-        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
+def _parse_variant_list(variants, quantize, compile) -> list:
+    """The variants to time: ``--variants``, else the one that ``--quantize``/``--compile`` name."""
+    from . import bench_engines as E
 
     try:
-        result = B.run_benchmark(
-            sk, batch_sizes=sizes, speedups=targets, new_tokens=new_tokens, horizon=horizon, repeats=repeats,
-            warmup=warmup, include_hf=hf, prompts=prompts, on_progress=progress,
-        )
-        if profile:
-            result["profile"] = B.profile_decode(
-                sk, batch_sizes=profile_sizes, speedups=targets[-1:] if targets else (), new_tokens=new_tokens,
-                horizon=horizon, repeats=repeats, bandwidth_gbs=bandwidth_gbs, predict_speedups=targets, prompts=prompts,
-                on_progress=progress,
-            )
+        return E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
     except ValueError as e:
         fail(str(e))
+
+
+def _llamacpp_gguf(llamacpp: str) -> str:
+    """The GGUF file of ``--llamacpp`` ('default': the embedded model's), checked with llama-cpp-python."""
+    from .loading import LoadError, embedded_gguf_path
+
+    try:
+        gguf = str(embedded_gguf_path()) if llamacpp == "default" else llamacpp
+    except LoadError as e:
+        fail(f"--llamacpp: {e}")
+    if not Path(gguf).is_file():
+        fail(f"--llamacpp {gguf}: no such GGUF file")
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        fail("--llamacpp needs llama-cpp-python: pip install -e '.[bench-llamacpp]'")
+    return gguf
+
+
+def _progress(msg: str) -> None:
+    """Print a benchmark progress line to stderr, dimmed."""
+    err.print(f"[dim]{escape(msg)}[/]", highlight=False)
+
+
+def _report_float_bench(ctx, result: dict, output: Path, plot: bool, profile: bool) -> None:
+    """Write the float32 benchmark's files, print its tables and targets, then its JSON line."""
+    from . import bench as B
+
     result["meta"]["command"] = command_line(ctx)
     path = B.write_results(result, output)
     if plot:
@@ -160,22 +179,18 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
     from . import bench_engines as E
 
     sk = load_model(model, device, dtype, adapter=adapter)
-
-    def progress(msg: str) -> None:
-        err.print(f"[dim]{escape(msg)}[/]", highlight=False)
-
     try:
-        result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=progress)
+        result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=_progress)
     except ValueError as e:
         fail(str(e))
     if gguf is not None:
-        progress("llama.cpp: batch 1, full depth")
+        _progress("llama.cpp: batch 1, full depth")
         prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
         result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
                                             bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
         result["llamacpp_batched"] = []
         for b in (b for b in bench_kwargs["batch_sizes"] if b > 1):  # same prompts as our rows of batch b
-            progress(f"llama.cpp: batch {b}, full depth (low-level llama_decode, {b} sequences)")
+            _progress(f"llama.cpp: batch {b}, full depth (low-level llama_decode, {b} sequences)")
             try:
                 result["llamacpp_batched"].append(E.llamacpp_batched_row(
                     gguf, B.batch_prompts(b, bench_kwargs["prompts"]), bench_kwargs["new_tokens"],

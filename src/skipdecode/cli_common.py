@@ -183,6 +183,17 @@ def check_quantize_option(quantize) -> None:
         fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
 
 
+def read_prompts_file(path: Path, empty: str) -> list:
+    """The non-blank lines of ``--prompts-file`` ``path``; exits 2 with one line when it does not
+    exist, or holds none (``--prompts-file PATH`` followed by ``empty``)."""
+    if not path.exists():
+        fail(f"--prompts-file {path} does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        fail(f"--prompts-file {path} {empty}")
+    return lines
+
+
 def check_output_folder(folder: Path, option: str) -> None:
     """Exit 2 with one line naming ``option`` unless ``folder`` can receive files (checked before
     any long work, so nothing is computed for an output that cannot be written)."""

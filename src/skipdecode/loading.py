@@ -214,6 +214,26 @@ def load(
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
         LoadError: a ``device`` this machine does not have (:func:`check_device`).
     """
+    torch_dtype = _check_load_options(adapter, device, dtype, quantize, compile)
+    # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
+    unmerged: list[Path] | None = [] if quantize == "int4" else None
+    # decode-only adapters (their prefill runs the base weights): (folder, merged) to wrap later
+    decode_only: list[tuple[Path, bool]] = []
+    bridges: list[Path] = []  # folders that may hold an entry bridge (the last one that does wins)
+    hf_model, tokenizer, skip_config, source = _load_hf_model(model, torch_dtype, unmerged, decode_only, bridges)
+    name = DEFAULT_MODEL if model is None else str(model)
+    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged,
+                                                        decode_only, bridges)
+    hf_model = hf_model.to(device).eval()
+    bridge_path = _attach_bridge(hf_model, bridges)
+    sk = _skip_model(hf_model, tokenizer, model, policy, chat, source, skip_config)
+    sk.entry_bridge_path = bridge_path
+    return _accelerate(sk, quantize, compile, unmerged or [], decode_only)
+
+
+def _check_load_options(adapter: Any, device: str | torch.device, dtype: str | torch.dtype, quantize: str | None,
+                        compile: bool | str) -> torch.dtype:
+    """Check :func:`load`'s options before anything is read and return ``dtype`` as a torch dtype."""
     if not isinstance(adapter, (bool, str, os.PathLike)):
         raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
     check_device(device)
@@ -231,59 +251,76 @@ def load(
     if compile == "kernels" and quantize not in ("int8", "int4"):
         raise LoadError(f"compile='kernels' needs quantize='int8' or 'int4' (it compiles their weight-only products), "
                         f"got quantize={quantize!r}; w8a8 compiles with compile=True or 'layers'")
-    # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
-    unmerged: list[Path] | None = [] if quantize == "int4" else None
-    # decode-only adapters (their prefill runs the base weights): (folder, merged) to wrap later
-    decode_only: list[tuple[Path, bool]] = []
-    skip_config: dict[str, Any] = {}
-    bridges: list[Path] = []  # folders that may hold an entry bridge (the last one that does wins)
+    return torch_dtype
+
+
+def _load_hf_model(model: str | os.PathLike | None, dtype: torch.dtype, unmerged: list[Path] | None,
+                   decode_only: list[tuple[Path, bool]], bridges: list[Path]) -> tuple[Any, Any, dict[str, Any], str]:
+    """Model, tokenizer, ``skipdecode.json`` fields and source line of :func:`load`'s ``model``."""
     if model is None or str(model) == DEFAULT_MODEL:
-        gguf = embedded_gguf_path()
-        cached = _cache_dir() / DEFAULT_MODEL
-        if (cached / "config.json").exists():
-            hf_model, tokenizer = _from_pretrained(str(cached), torch_dtype)
-        else:
-            hf_model, tokenizer = _plain_from_gguf(gguf, torch.float32)
-            try:
-                _atomic_save(hf_model, tokenizer, cached)
-            except OSError:
-                pass  # read-only home: fine, just slower next time
-            hf_model = hf_model.to(torch_dtype)
-        source = f"{DEFAULT_MODEL} ({gguf})"
+        hf_model, tokenizer, gguf = _load_default(dtype)
+        return hf_model, tokenizer, {}, f"{DEFAULT_MODEL} ({gguf})"
+    skip_config: dict[str, Any] = {}
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise LoadError(f"GGUF file not found: {path}")
+        hf_model, tokenizer = _plain_from_gguf(path, dtype)
+    elif path.exists():
+        if not path.is_dir():
+            raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
+        skip_config = _read_folder_config(path)
+        _check_weight_files(path)
+        hf_model, tokenizer = _from_folder(path, skip_config, dtype, unmerged, decode_only, bridges)
+        bridges.append(path)
+    elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
+        raise LoadError(f"model path {model} does not exist")
     else:
-        path = Path(model)
-        if path.suffix == ".gguf":
-            if not path.exists():
-                raise LoadError(f"GGUF file not found: {path}")
-            hf_model, tokenizer = _plain_from_gguf(path, torch_dtype)
-        elif path.exists():
-            if not path.is_dir():
-                raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
-            if (path / SKIP_CONFIG_NAME).exists():
-                try:  # every field type-checked, then the recorded weight checksums
-                    skip_config = read_skip_config(path / SKIP_CONFIG_NAME)
-                    verify_weights(path, skip_config)
-                except SkipConfigError as err:
-                    raise LoadError(str(err)) from None
-            _check_weight_files(path)
-            hf_model, tokenizer = _from_folder(path, skip_config, torch_dtype, unmerged, decode_only, bridges)
-            bridges.append(path)
-        elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
-            raise LoadError(f"model path {model} does not exist")
-        else:
-            try:
-                hf_model, tokenizer = _from_pretrained(str(model), torch_dtype)
-            except OSError as err:
-                raise LoadError(
-                    f"could not load {model!r}: not a local path, and the Hugging Face hub could not "
-                    f"provide it ({str(err).splitlines()[0]}); offline, set HF_HUB_OFFLINE=1 to fail fast"
-                ) from None
-        source = str(model)
-    name = DEFAULT_MODEL if model is None else str(model)
-    hf_model, skip_config, source = _apply_skip_adapter(hf_model, adapter, name, skip_config, source, unmerged,
-                                                        decode_only, bridges)
-    hf_model = hf_model.to(device).eval()
-    bridge_path = _attach_bridge(hf_model, bridges)
+        hf_model, tokenizer = _from_hub(model, dtype)
+    return hf_model, tokenizer, skip_config, str(model)
+
+
+def _load_default(dtype: torch.dtype) -> tuple[Any, Any, Path]:
+    """Model, tokenizer and GGUF path of the embedded default, from the cache or rebuilt (then cached)."""
+    gguf = embedded_gguf_path()
+    cached = _cache_dir() / DEFAULT_MODEL
+    if (cached / "config.json").exists():
+        hf_model, tokenizer = _from_pretrained(str(cached), dtype)
+        return hf_model, tokenizer, gguf
+    hf_model, tokenizer = _plain_from_gguf(gguf, torch.float32)
+    try:
+        _atomic_save(hf_model, tokenizer, cached)
+    except OSError:
+        pass  # read-only home: fine, just slower next time
+    return hf_model.to(dtype), tokenizer, gguf
+
+
+def _read_folder_config(path: Path) -> dict[str, Any]:
+    """The checked ``skipdecode.json`` of checkpoint folder ``path`` ({} when it has none)."""
+    if not (path / SKIP_CONFIG_NAME).exists():
+        return {}
+    try:  # every field type-checked, then the recorded weight checksums
+        skip_config = read_skip_config(path / SKIP_CONFIG_NAME)
+        verify_weights(path, skip_config)
+    except SkipConfigError as err:
+        raise LoadError(str(err)) from None
+    return skip_config
+
+
+def _from_hub(model: str | os.PathLike, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Model and tokenizer of Hugging Face model id ``model`` (LoadError when the hub cannot provide it)."""
+    try:
+        return _from_pretrained(str(model), dtype)
+    except OSError as err:
+        raise LoadError(
+            f"could not load {model!r}: not a local path, and the Hugging Face hub could not "
+            f"provide it ({str(err).splitlines()[0]}); offline, set HF_HUB_OFFLINE=1 to fail fast"
+        ) from None
+
+
+def _skip_model(hf_model: Any, tokenizer: Any, model: str | os.PathLike | None, policy: Any, chat: bool | None,
+                source: str, skip_config: dict[str, Any]) -> SkipModel:
+    """The :class:`SkipModel` of :func:`load`, its policy and chat setting defaulting to ``skip_config``'s."""
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
     if policy is None and "policy" in skip_config:
@@ -299,8 +336,7 @@ def load(
     if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
         raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
                         f"but the model has {sk.num_layers} layers; the file belongs to another model")
-    sk.entry_bridge_path = bridge_path
-    return _accelerate(sk, quantize, compile, unmerged or [], decode_only)
+    return sk
 
 
 #: batch sizes :func:`load` compiles for with ``compile`` (sequences)
