@@ -166,22 +166,8 @@ def calm_generate_ids(
         ValueError: batch size other than 1 (explains why), bad shapes, ``max_new_tokens`` < 1,
             ``min_layers`` > L, or a prompt plus ``max_new_tokens`` beyond the model's context.
     """
-    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
-        raise ValueError(
-            f"input_ids and attention_mask must both be (1, P); got {tuple(input_ids.shape)} "
-            f"and {tuple(attention_mask.shape)}"
-        )
-    B, P = input_ids.shape
-    if B != 1:
-        raise ValueError(_BATCH_ONE.format(B=B))
-    if P == 0:
-        raise ValueError("the prompt must hold at least one token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    P = _check_calm_inputs(adapter, input_ids, attention_mask, config, max_new_tokens)
     L = adapter.num_layers
-    if config.min_layers > L:
-        raise ValueError(f"min_layers must be <= the model's {L} layers, got {config.min_layers}")
-    adapter.check_context(P, max_new_tokens)
     device = input_ids.device
     eos = set(int(i) for i in eos_token_ids)
     if cache is None:
@@ -204,27 +190,7 @@ def calm_generate_ids(
                 logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
-            K = mask.shape[1]
-            position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (PITFALLS 1)
-            hidden = adapter.embed(token, position_ids)  # (1, 1, C)
-            masks = step_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K), or None: no padding
-            extra = adapter.layer_inputs(hidden, position_ids)
-            exit_at, heads, logits = L, 0, None
-            for layer_idx in range(L):
-                hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
-                used = layer_idx + 1
-                if config.exits_early and config.min_layers <= used < L:
-                    heads += 1
-                    candidate = adapter.head(hidden)[:, -1]  # (1, V), the model's own tail
-                    if _top2_margin(candidate) >= config.threshold:
-                        exit_at, logits = used, candidate
-                        break
-            # CALM state propagation: upper layers get K/V computed from the exit state; their
-            # outputs are discarded.
-            for layer_idx in range(exit_at, L):
-                adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
-            if logits is None:  # ran every layer: exactly skip_forward's full-depth tail
-                logits = adapter.head(hidden[:, -1:])[:, -1]
+            logits, exit_at, heads = _calm_step(adapter, token, mask, cache, config)
             exit_layers.append(exit_at)
             compute_layers.append(L)
             head_evals.append(heads)
@@ -254,6 +220,56 @@ def calm_generate_ids(
         compute_layers=compute_layers,
         head_evals=head_evals,
     )
+
+
+def _check_calm_inputs(adapter, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: CalmConfig,
+                       max_new_tokens: int) -> int:
+    """Check :func:`calm_generate_ids`' arguments (its ValueErrors): ``input_ids`` (1, P) and the rest -> P."""
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be (1, P); got {tuple(input_ids.shape)} "
+            f"and {tuple(attention_mask.shape)}"
+        )
+    B, P = input_ids.shape
+    if B != 1:
+        raise ValueError(_BATCH_ONE.format(B=B))
+    if P == 0:
+        raise ValueError("the prompt must hold at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    L = adapter.num_layers
+    if config.min_layers > L:
+        raise ValueError(f"min_layers must be <= the model's {L} layers, got {config.min_layers}")
+    adapter.check_context(P, max_new_tokens)
+    return P
+
+
+def _calm_step(adapter, token: torch.Tensor, mask: torch.Tensor, cache: SkipCache,
+               config: CalmConfig) -> tuple[torch.Tensor, int, int]:
+    """One decode step of ``token`` (1, 1) with ``mask`` (1, K) -> (logits (1, V), exit layers, heads evaluated)."""
+    L = adapter.num_layers
+    K = mask.shape[1]
+    position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (PITFALLS 1)
+    hidden = adapter.embed(token, position_ids)  # (1, 1, C)
+    masks = step_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K), or None: no padding
+    extra = adapter.layer_inputs(hidden, position_ids)
+    exit_at, heads, logits = L, 0, None
+    for layer_idx in range(L):
+        hidden = adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
+        used = layer_idx + 1
+        if config.exits_early and config.min_layers <= used < L:
+            heads += 1
+            candidate = adapter.head(hidden)[:, -1]  # (1, V), the model's own tail
+            if _top2_margin(candidate) >= config.threshold:
+                exit_at, logits = used, candidate
+                break
+    # CALM state propagation: upper layers get K/V computed from the exit state; their
+    # outputs are discarded.
+    for layer_idx in range(exit_at, L):
+        adapter.run_layer(layer_idx, hidden, masks[layer_idx], cache, extra)
+    if logits is None:  # ran every layer: exactly skip_forward's full-depth tail
+        logits = adapter.head(hidden[:, -1:])[:, -1]
+    return logits, exit_at, heads
 
 
 def calm_generate(

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx.experimental._config  # use_duck_shape (compiled prefill)
@@ -234,12 +234,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         ValueError: unknown ``mode``; mode "kernels" on a model without quantized linears.
     """
     mode = resolve_mode(adapter, mode)
-    if mode == "kernels":
-        from .quantize import _QuantLinear
-
-        quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
-        if not any(isinstance(m, _QuantLinear) for m in adapter.layers.modules()):  # (w8a8: only its head's int8 copy)
-            raise ValueError("compile mode 'kernels' needs weight-only quantized weights (quantize='int8' or 'int4')")
+    quantized = _kernel_linears(adapter) if mode == "kernels" else []
     if check and (backend == "inductor" or mode == "kernels"):
         ok, why = compile_available()
         if not ok:
@@ -250,6 +245,29 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             m.compiled_kernel = m.fuses_when_compiled  # int4 with PyTorch's kernel: stays on it
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
+    run = _layer_call(adapter, backend, report)
+    report.prefill = True
+    adapter.compiled_layer_call = run
+    _compile_head(adapter, backend, report)
+    if onednn:
+        from . import onednn as _onednn
+
+        report.onednn_layers = _onednn.enable(adapter.model)
+    return report
+
+
+def _kernel_linears(adapter: Adapter) -> list:
+    """Mode "kernels": ``adapter`` -> its model's weight-only quantized linears (ValueError: its layers hold none)."""
+    from .quantize import _QuantLinear
+
+    quantized = [m for m in adapter.model.modules() if isinstance(m, _QuantLinear)]
+    if not any(isinstance(m, _QuantLinear) for m in adapter.layers.modules()):  # (w8a8: only its head's int8 copy)
+        raise ValueError("compile mode 'kernels' needs weight-only quantized weights (quantize='int8' or 'int4')")
+    return quantized
+
+
+def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callable:
+    """Mode "layers": ``adapter`` -> its ``compiled_layer_call`` (decode steps; prefills via :func:`_prefill_call`)."""
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     traced = GuardMemo(_decode_layer, torch.compile(_decode_layer, backend=backend, dynamic=None))
     report.memos.append(traced)
@@ -261,10 +279,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
     limits = torch._dynamo.config.patch(
         recompile_limit=limit, accumulated_recompile_limit=max(256, 4 * limit), allow_unspec_int_on_nn_module=True
     )
-
-    # prefill shapes: a prompt length equal to the key length gets no shared symbol (duck sizing),
-    # so the first prefill after a stored prefix (key length > prompt length) compiles nothing new
-    prefill_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+    run_prefill = _prefill_call(report, index_of, traced_prefill, limits)
 
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
@@ -304,6 +319,14 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
                 cache.restore_lengths(lengths)
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
 
+    return run
+
+
+def _prefill_call(report: CompileReport, index_of: dict[int, int], traced_prefill: Any, limits: Any) -> Callable:
+    """``traced_prefill`` (compiled :func:`_prefill_layer`) and the recompile ``limits`` -> the prefill layer call."""
+    # prefill shapes: a prompt length equal to the key length gets no shared symbol (duck sizing),
+    # so the first prefill after a stored prefix (key length > prompt length) compiles nothing new
+    prefill_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
     kv_like: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (1, H_kv, 1, D) K/V geometry
 
     def run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra):
@@ -335,14 +358,7 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
         cache.commit_decode_write(layer_idx, write)
         return out
 
-    report.prefill = True
-    adapter.compiled_layer_call = run
-    _compile_head(adapter, backend, report)
-    if onednn:
-        from . import onednn as _onednn
-
-        report.onednn_layers = _onednn.enable(adapter.model)
-    return report
+    return run_prefill
 
 
 def _canonical(value: Any) -> Any:
