@@ -196,6 +196,14 @@ def test_bad_values_exit_2_naming_the_option(runner, random_dir, extra, option):
     assert option.replace("-", "_") in message, res.output
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_this_machine_lacks_is_named_as_given(runner, tmp_path):
+    """``--device cuda:7`` is reported whole (was cut to ``cuda:``), before the model is read."""
+    res = invoke(runner, ["generate", "The Eagle", "--model", str(tmp_path / "never_read"), "--device", "cuda:7"])
+    assert res.exit_code == 2, res.output
+    assert squash("--device cuda:7: this torch build or machine has no CUDA GPU") in squash(res.output), res.output
+
+
 def test_missing_model_path_exits_2(runner, tmp_path):
     missing = tmp_path / "no_such_model"
     res = invoke(runner, ["generate", "The Eagle", "--model", str(missing), "-n", "3"])

@@ -551,6 +551,39 @@ def test_policy_with_wrong_num_layers_raises(tokenizer):
         sk.generate("The Eagle", policy=wrong, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("bad", ["fast", 2.0, {"type": "full", "num_layers": NUM_LAYERS}])
+def test_policy_that_is_not_a_policy_object_raises_naming_it(tokenizer, bad):
+    """A name, a number or a dict is refused with one ValueError naming ``policy`` and what it may
+    be, on every path that takes a policy (was: AttributeError 'str' object has no attribute 'num_layers')."""
+    from skipdecode.engine import Engine, Request
+
+    model, adapter = model_and_adapter("llama")
+    ids, mask = left_pad(prompts([3]), 0)
+    match = r"policy must be None or a policy object \(FullPolicy, LinearDecayPolicy"
+    with pytest.raises(ValueError, match=match):
+        next(generate_step(adapter, ids, mask, policy=bad))
+    with pytest.raises(ValueError, match=match):
+        SkipModel(model, tokenizer, policy=bad)
+    sk = SkipModel(model, tokenizer)
+    for inflight in ({}, {"max_batch_size": 2}):
+        with pytest.raises(ValueError, match=match):
+            sk.generate(["hi"], policy=bad, max_new_tokens=2, **inflight)
+    with pytest.raises(ValueError, match=match):
+        sk.stream_generate("hi", policy=bad)
+    with pytest.raises(ValueError, match=match):
+        Engine(adapter, max_batch_size=2).submit(Request([5, 6], 2, bad))
+
+
+def test_load_refuses_a_policy_that_is_not_a_policy_object(tmp_path, tokenizer):
+    from skipdecode import load
+    from skipdecode.loading import LoadError
+
+    model, _ = model_and_adapter("llama")
+    SkipModel(model, tokenizer).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(LoadError, match="policy must be None or a policy object.*got str 'fast'"):
+        load(tmp_path / "ckpt", policy="fast")
+
+
 def test_bad_shapes_raise():
     _, adapter = model_and_adapter("llama")
     ids, mask = left_pad(prompts([3, 2]), 0)

@@ -245,6 +245,15 @@ def test_chat_without_template_raises(sk, tokenizer):
         SkipModel(sk.model, plain).generate("hi", max_new_tokens=2, chat=True)
 
 
+@pytest.mark.parametrize("chat", ["maybe", 1, "false"])
+def test_load_refuses_a_chat_that_is_not_true_false_or_none(tmp_path, chat):
+    """One LoadError naming ``chat`` before anything is read (was: accepted silently)."""
+    from skipdecode.loading import LoadError, load
+
+    with pytest.raises(LoadError, match=rf"^chat must be True, False or None .*got {chat!r}$"):
+        load(tmp_path / "never_read", chat=chat)
+
+
 @pytest.mark.parametrize("prompts,index", [("", 0), (["The Eagle", "   "], 1), (["ok", "fine", "\n\t"], 2), ([None], 0)])
 def test_empty_or_blank_prompt_raises_naming_it(sk, prompts, index):
     with pytest.raises(ValueError, match=rf"prompts\[{index}\]"):

@@ -197,3 +197,10 @@ def test_load_refuses_a_device_this_machine_lacks(tmp_path, tokenizer):
             load(missing, device="cuda")
     with pytest.raises(LoadError, match="device must be a torch device such as cpu, cuda or cuda:1, got 'gpu0'"):
         load(missing, device="gpu0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_named_as_given(tmp_path):
+    """``cuda:7`` is reported whole (was cut to ``cuda:``)."""
+    with pytest.raises(LoadError, match="^device cuda:7: this torch build or machine has no CUDA GPU; use device cpu"):
+        load(tmp_path / "never_read", device="cuda:7")

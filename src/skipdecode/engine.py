@@ -34,7 +34,7 @@ from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
-from .policy import FullPolicy, SkipPolicy
+from .policy import FullPolicy, SkipPolicy, check_policy
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
 
@@ -196,7 +196,8 @@ class Engine:
     def check(self, request: Request) -> None:
         """Raise ValueError (naming the field) if ``request`` cannot run on this model: an empty
         prompt, ``max_new_tokens`` < 1, prompt + ``max_new_tokens`` beyond the context
-        (``max_positions``), or a policy for another layer count."""
+        (``max_positions``), or a ``policy`` that is not None or a policy object or is for another
+        layer count (:func:`skipdecode.policy.check_policy`)."""
         n = request.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
@@ -204,11 +205,7 @@ class Engine:
         if P == 0:
             raise ValueError("prompts: a prompt must hold at least one token")
         self.adapter.check_context(P, n)  # P + n - 1 positions: the last token is never fed back
-        policy = request.policy
-        if policy is not None and policy.num_layers != self.adapter.num_layers:
-            raise ValueError(
-                f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({self.adapter.num_layers})"
-            )
+        check_policy(request.policy, self.adapter.num_layers)
 
     def submit(self, request: Request) -> None:
         """Queue ``request``; it joins at a later :meth:`step` when a slot is free.
@@ -524,10 +521,10 @@ def generate_inflight(
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
             (before anything runs); ``max_batch_size`` < 1; ``cohort_size`` outside
             [1, ``max_batch_size``]; a bad ``prefix_cache``; ``stop`` as in
-            :func:`skipdecode.limits.check_stop`.
+            :func:`skipdecode.limits.check_stop`; ``policy`` as in :meth:`Engine.check`.
     """
     stop = check_stop(stop)
-    policy = policy or FullPolicy(adapter.num_layers)
+    policy = check_policy(policy, adapter.num_layers)
     device = next(adapter.model.parameters()).device
     ids, mask = encode_prompts(tokenizer, prompts, chat=chat)
     if eos_token_ids is None:

@@ -20,7 +20,7 @@ from .cache import SkipCache
 from .lowrank import base_prefill
 from .forward import skip_forward
 from .limits import check_stop
-from .policy import FullPolicy, SkipPolicy, theoretical_speedup
+from .policy import SkipPolicy, check_policy, theoretical_speedup
 from .prompts import Prompt, encode_prompt
 from .sampling import Sampler, SamplingParams
 
@@ -116,9 +116,10 @@ def generate_step(
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
 
     Raises:
-        ValueError: bad shapes, ``max_new_tokens`` < 1, or prompts plus ``max_new_tokens`` - 1
+        ValueError: bad shapes, ``max_new_tokens`` < 1, prompts plus ``max_new_tokens`` - 1
             longer than the model's context (``max_position_embeddings``; see
-            :meth:`Adapter.check_context`).
+            :meth:`Adapter.check_context`), or a ``policy`` that is not None or a policy object
+            or is for another layer count (:func:`skipdecode.policy.check_policy`).
     """
     if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -131,11 +132,7 @@ def generate_step(
     if B == 0 or P == 0:
         raise ValueError("input_ids must hold at least one prompt of at least one token")
     adapter.check_context(P, max_new_tokens)
-    policy = policy or FullPolicy(adapter.num_layers)
-    if policy.num_layers != adapter.num_layers:
-        raise ValueError(
-            f"policy.num_layers ({policy.num_layers}) must equal the model's layers ({adapter.num_layers})"
-        )
+    policy = check_policy(policy, adapter.num_layers)
     device = input_ids.device
     # one generator per row (each seeded with the seed): a row's samples never depend on its
     # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
@@ -545,12 +542,13 @@ def generate(
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
-            ``stop`` as in :func:`stream_generate` (checked before anything runs).
+            ``stop`` as in :func:`stream_generate` and ``policy`` as in :func:`generate_step`
+            (both checked before anything runs).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     stop = check_stop(stop)
-    policy = policy or FullPolicy(adapter.num_layers)
+    policy = check_policy(policy, adapter.num_layers)
     if max_batch_size is not None:
         from .engine import generate_inflight
 

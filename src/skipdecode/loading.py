@@ -147,9 +147,9 @@ def check_device(device: str | torch.device, option: str = "device") -> torch.de
     except (RuntimeError, ValueError, TypeError):
         raise LoadError(f"{option} must be a torch device such as cpu, cuda or cuda:1, got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LoadError(f"{option} cuda: this torch build or machine has no CUDA GPU; use {option} cpu")
+        raise LoadError(f"{option} {device}: this torch build or machine has no CUDA GPU; use {option} cpu")
     if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise LoadError(f"{option} mps: MPS is not available here; use {option} cpu")
+        raise LoadError(f"{option} {device}: MPS is not available here; use {option} cpu")
     return dev
 
 
@@ -209,12 +209,15 @@ def load(
             ``adapter`` folder cannot be read or does not fit the model, ``quantize`` is not None,
             "int8", "int4" or "w8a8" (names ``quantize``), w8a8 off the CPU, without FBGEMM or
             with a ``dtype`` other than float32,
-            ``compile`` is not a bool or a compile mode (names ``compile``), or
-            ``compile="kernels"`` without ``quantize`` "int8" or "int4".
+            ``compile`` is not a bool or a compile mode (names ``compile``),
+            ``compile="kernels"`` without ``quantize`` "int8" or "int4", ``chat`` is not True,
+            False or None (names ``chat``), or ``policy`` is not None or a policy object or is for
+            another layer count (names ``policy``, :func:`skipdecode.policy.check_policy`; checked
+            once the model is read).
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
         LoadError: a ``device`` this machine does not have (:func:`check_device`).
     """
-    torch_dtype = _check_load_options(adapter, device, dtype, quantize, compile)
+    torch_dtype = _check_load_options(adapter, device, dtype, quantize, compile, chat)
     # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
     unmerged: list[Path] | None = [] if quantize == "int4" else None
     # decode-only adapters (their prefill runs the base weights): (folder, merged) to wrap later
@@ -232,10 +235,13 @@ def load(
 
 
 def _check_load_options(adapter: Any, device: str | torch.device, dtype: str | torch.dtype, quantize: str | None,
-                        compile: bool | str) -> torch.dtype:
+                        compile: bool | str, chat: Any) -> torch.dtype:
     """Check :func:`load`'s options before anything is read and return ``dtype`` as a torch dtype."""
     if not isinstance(adapter, (bool, str, os.PathLike)):
         raise LoadError(f"adapter must be True, False or a folder path, got {type(adapter).__name__}")
+    if chat is not None and not isinstance(chat, bool):
+        raise LoadError(f"chat must be True, False or None (None: when the tokenizer has a chat template), "
+                        f"got {chat!r}")
     check_device(device)
     torch_dtype = _resolve_dtype(dtype)
     if torch_dtype == torch.bfloat16:
@@ -323,16 +329,17 @@ def _skip_model(hf_model: Any, tokenizer: Any, model: str | os.PathLike | None, 
     """The :class:`SkipModel` of :func:`load`, its policy and chat setting defaulting to ``skip_config``'s."""
     if chat is None:
         chat = bool(skip_config.get("chat", bool(getattr(tokenizer, "chat_template", None))))
-    if policy is None and "policy" in skip_config:
-        try:
+    from_file = policy is None and "policy" in skip_config
+    try:
+        if from_file:
             policy = policy_from_dict(skip_config["policy"])
-            sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
-        except (ValueError, KeyError, TypeError) as err:  # the checkpoint's policy does not fit the model
-            if isinstance(err, UnsupportedArchitectureError):
-                raise
-            raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: its policy does not fit the model: {err}") from None
-    else:
         sk = SkipModel(hf_model, tokenizer, policy=policy, chat=chat, source=source, skip_config=skip_config)
+    except (ValueError, KeyError, TypeError) as err:  # the checkpoint's or the caller's policy does not fit
+        # the caller's policy fails with a ValueError naming ``policy`` (skipdecode.policy.check_policy)
+        if isinstance(err, UnsupportedArchitectureError) or not (from_file or isinstance(err, ValueError)):
+            raise
+        where = f"{Path(str(model)) / SKIP_CONFIG_NAME}: its policy does not fit the model: " if from_file else ""
+        raise LoadError(f"{where}{err}") from None
     if skip_config.get("num_layers", sk.num_layers) != sk.num_layers:
         raise LoadError(f"{Path(str(model)) / SKIP_CONFIG_NAME}: field 'num_layers' is {skip_config['num_layers']} "
                         f"but the model has {sk.num_layers} layers; the file belongs to another model")

@@ -13,7 +13,7 @@ from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
 from .limits import check_stop
 from .skip_config import weight_checksums
-from .policy import FullPolicy, SkipPolicy, for_speedup, with_full_depth_steps
+from .policy import SkipPolicy, check_policy, for_speedup, with_full_depth_steps
 from .prompts import Prompt
 from .sampling import SamplingParams
 
@@ -75,7 +75,8 @@ class SkipModel:
 
     Raises:
         UnsupportedArchitectureError: the architecture has no adapter.
-        ValueError: ``policy.num_layers`` differs from the model's layer count.
+        ValueError: ``policy`` is not None or a policy object, or its ``num_layers`` differs from
+            the model's layer count (:func:`skipdecode.policy.check_policy`).
     """
 
     def __init__(
@@ -92,8 +93,7 @@ class SkipModel:
         self.tokenizer = tokenizer
         self.adapter = get_adapter(model)
         self.num_layers = self.adapter.num_layers
-        self.policy = policy or FullPolicy(self.num_layers)
-        self._check_policy(self.policy)
+        self.policy = check_policy(policy, self.num_layers)
         self.chat = chat
         self.source = source
         self.skip_config = dict(skip_config or {})
@@ -115,12 +115,6 @@ class SkipModel:
         from .quantize import resident_bytes
 
         return resident_bytes(self.model)
-
-    def _check_policy(self, policy: SkipPolicy) -> None:
-        if policy.num_layers != self.num_layers:
-            raise ValueError(
-                f"policy.num_layers ({policy.num_layers}) must equal the model's num_layers ({self.num_layers})"
-            )
 
     @property
     def horizon(self) -> int:
@@ -155,8 +149,7 @@ class SkipModel:
         if entry is None:
             return None
         try:
-            policy = policy_from_dict(entry)
-            self._check_policy(policy)
+            policy = check_policy(policy_from_dict(entry), self.num_layers)
         except ValueError as e:
             raise ValueError(f"skipdecode.json policies[{label!r}]: {e}") from None
         return policy
@@ -223,8 +216,7 @@ class SkipModel:
         return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
 
     def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:
-        policy = policy or self.policy
-        self._check_policy(policy)
+        policy = check_policy(self.policy if policy is None else policy, self.num_layers)
         return dict(
             policy=policy,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
@@ -255,7 +247,8 @@ class SkipModel:
         prefixes they share (:class:`skipdecode.engine.Engine`).
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
-        Raises ValueError on bad arguments (names the field).
+        Raises ValueError on bad arguments (names the field), among them a ``policy`` that is not
+        None (the model's policy) or a policy object (:func:`skipdecode.policy.check_policy`).
         """
         return generate(
             self.adapter,
@@ -285,7 +278,8 @@ class SkipModel:
         """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`).
 
         Raises ValueError at once (not at the first step) for a bad ``stop``
-        (:func:`skipdecode.limits.check_stop`); other bad arguments when iteration starts."""
+        (:func:`skipdecode.limits.check_stop`) or ``policy`` (:func:`skipdecode.policy.check_policy`);
+        other bad arguments when iteration starts."""
         if isinstance(prompts, str):
             prompts = [prompts]
         stop = check_stop(stop)

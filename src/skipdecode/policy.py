@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "SkipPolicy",
+    "check_policy",
     "FullPolicy",
     "LinearDecayPolicy",
     "for_speedup",
@@ -242,6 +243,27 @@ def for_speedup(
         warmup_layers=warmup_layers,
         horizon=horizon,
     )
+
+
+def check_policy(policy: Any, num_layers: int) -> SkipPolicy:
+    """``policy`` for a model of ``num_layers`` layers: itself, or :class:`FullPolicy` when None.
+
+    Raises:
+        ValueError: ``policy`` is not None or a policy object (:class:`SkipPolicy`: a
+            :class:`FullPolicy`, :class:`LinearDecayPolicy`, :func:`for_speedup`'s result; a name
+            such as ``"fast"`` or a dict is not one), or its ``num_layers`` differs from the model's
+            (both messages start with ``policy``).
+    """
+    if policy is None:
+        return FullPolicy(num_layers)
+    if not isinstance(policy, SkipPolicy):
+        raise ValueError(
+            f"policy must be None or a policy object (FullPolicy, LinearDecayPolicy, for_speedup(...), "
+            f"SkipModel.policy_for(...); policy_from_dict(...) for a dict), got {type(policy).__name__} {policy!r}"
+        )
+    if policy.num_layers != num_layers:
+        raise ValueError(f"policy.num_layers ({policy.num_layers}) must equal the model's num_layers ({num_layers})")
+    return policy
 
 
 def with_full_depth_steps(policy: Any, k: int | None) -> Any:
