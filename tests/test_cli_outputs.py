@@ -1,11 +1,15 @@
 """Faults a new user hit after the first sweep (issue 13's kinds, on more commands): outputs that
 cannot be written are refused before any work, and a checkpoint folder that transformers cannot
-read is one line naming the folder, exit 2, never a traceback."""
+read is one line naming the folder, exit 2, never a traceback. A later trial's faults follow at the
+end: a ``--prompts-file`` that is a folder or not UTF-8, ``eval --horizon`` ignored, messages that
+named a Python field instead of the option, ``bench --variants`` repeats, ``eval --model``'s
+default and ``--data``/``--output`` problems that did not name the option."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -105,3 +109,134 @@ def test_policy_errors_name_the_cli_option(saved, extra, want):
     it names the option the user typed."""
     res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", *extra])
     assert res.exit_code == 2 and want in text, res.output
+
+
+# ------------------------------------------------------------ a later new-user trial
+def _no_model_load(monkeypatch):
+    """Fail the test if the command loads a model: the check must come before."""
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the option was checked")
+    monkeypatch.setattr("skipdecode.loading.load", boom)
+
+
+def _one_line_exit_2(res, text, *fragments):
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+    for fragment in fragments:
+        assert "".join(fragment.split()) in text, (fragment, res.output)
+
+
+def _eval_data(tmp_path):
+    data = tmp_path / "items.jsonl"
+    data.write_text(json.dumps({"prompt": "hello", "references": ["world"]}) + "\n")
+    return data
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("kind", ["folder", "not-utf8", "empty"])
+def test_prompts_file_folder_binary_or_empty_is_one_line_naming_it(saved, tmp_path, monkeypatch, command, kind):
+    """A folder or a non-UTF-8 file used to end in IsADirectoryError/UnicodeDecodeError tracebacks;
+    an empty file said "holds no prompt" in bench, the longer text in generate."""
+    _no_model_load(monkeypatch)
+    path = tmp_path / kind
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe caf\xe9\n" if kind == "not-utf8" else b"\n  \n")
+    want = {"folder": "is a folder, not a file", "not-utf8": "is not UTF-8 text",
+            "empty": "holds no prompts (one per line; blank lines are skipped)"}[kind]
+    args = {"generate": ["generate", "-n", "2"], "bench": ["bench", "--output", str(tmp_path / "b.json")]}[command]
+    res, text = _run([*args, "--model", str(saved), "--prompts-file", str(path)])
+    _one_line_exit_2(res, text, f"error: --prompts-file {path} {want}")
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "eval"])
+@pytest.mark.parametrize("horizon", ["0", "-5"])
+@pytest.mark.parametrize("with_speedup", [False, True])
+def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkeypatch, command, horizon, with_speedup):
+    """``eval --horizon 0`` without --speedup used to be ignored (the run went on), and with it the
+    model's message (``horizon must be an integer >= 1``) named no option; generate and bench alike."""
+    import skipdecode.evaluate as evaluate_module
+
+    _no_model_load(monkeypatch)
+    _no_work(monkeypatch, evaluate_module, "evaluate")
+    args = {"generate": ["generate", "hello"], "bench": ["bench", "--output", str(tmp_path / "b.json")],
+            "eval": ["eval", "--data", str(_eval_data(tmp_path)), "--out", str(tmp_path / "o"), "--no-progress"]}
+    speedup = [{"bench": "--speedups"}.get(command, "--speedup"), "2"] if with_speedup else []
+    res, text = _run([*args[command], "--model", str(saved), "--horizon", horizon, *speedup])
+    _one_line_exit_2(res, text, f"error: --horizon must be >= 1, got {horizon}")
+
+
+@pytest.mark.parametrize("extra, want, loads", [
+    (["--speedup", "0.5"], "error: --speedup must be a finite number >= 1, got 0.5", False),
+    (["--metric", "foo"], "error: --metric must be one of bleu, chrf, nist, rouge1, rouge2, rougeL, got 'foo'", False),
+    (["--calm-threshold", "0.5", "--calm-min-layers", "99"],
+     f"error: --calm-min-layers must be <= the model's {NUM_LAYERS} layers, got 99", True),
+    (["--speedup", "100"], "error: --speedup must be <= 2.00 for num_layers=4", True),
+    (["--policy", "100"], "error: --policy must be <= 2.00 for num_layers=4", True),
+])
+def test_eval_option_errors_name_the_option(saved, tmp_path, monkeypatch, extra, want, loads):
+    """These named the library's field (``speedup must``, ``calm_min_layers must``) or none at all
+    (``unknown metric(s) 'foo'``); those that need no model are refused before it loads."""
+    if not loads:
+        _no_model_load(monkeypatch)
+    res, text = _run(["eval", "--model", str(saved), "--data", str(_eval_data(tmp_path)), "-n", "2",
+                      "--out", str(tmp_path / "o"), "--no-progress", *extra])
+    _one_line_exit_2(res, text, want)
+    assert "calm_min_layers" not in text and "unknownmetric" not in text
+
+
+def test_seed_out_of_range_names_the_option_without_none(saved, monkeypatch):
+    """The library's seed message ends ``(int64) or None``: no value of --seed is None."""
+    _no_model_load(monkeypatch)
+    res, text = _run(["generate", "hello", "--model", str(saved), "--seed", str(2**64)])
+    _one_line_exit_2(res, text, f"error: --seed must be an integer in [{-(2**63)}, {2**63 - 1}] (int64), got {2**64}")
+    assert "None" not in res.output
+
+
+def test_bench_repeated_variant_is_refused_before_loading(saved, tmp_path, monkeypatch):
+    """``--variants float32,float32`` used to time float32 twice (the JSON kept one)."""
+    _no_model_load(monkeypatch)
+    res, text = _run(["bench", "--model", str(saved), "--variants", "float32,int8, float32",
+                      "--output", str(tmp_path / "b.json")])
+    _one_line_exit_2(res, text, "error: --variants lists 'float32' more than once; give each variant once")
+
+
+def test_eval_model_help_says_its_default_is_the_stock_weights():
+    """``eval``'s default model is 'stock' (no skip adapter), unlike generate/bench/serve: the help
+    used to say only "(default: embedded SmolLM2-135M-Instruct)"."""
+    res, _ = _run(["eval", "--help"])
+    assert res.exit_code == 0, res.output
+    text = "".join(res.output.replace("\u2502", "").split())  # without rich's box borders
+    for fragment in ("Default: 'stock', the embedded SmolLM2-135M-Instruct WITHOUT its skip adapter",
+                     "'--model default' evaluates the embedded model with its 2x skip adapter merged"):
+        assert "".join(fragment.split()) in text, res.output
+    assert "(default:embeddedSmolLM2-135M-Instruct)" not in text
+
+
+def test_eval_data_folder_names_the_option(saved, tmp_path, monkeypatch):
+    """A folder as --data used to read ``unsupported file type ''``."""
+    _no_model_load(monkeypatch)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    res, text = _run(["eval", "--model", str(saved), "--data", str(folder), "--out", str(tmp_path / "o")])
+    _one_line_exit_2(res, text, f"error: --data {folder} is a folder; give the .csv (E2E) or .jsonl file")
+    assert "unsupportedfiletype" not in text
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_bench_output_problem_names_the_option_value_and_its_folder(saved, tmp_path, monkeypatch, where):
+    """``--output /proc/x.json`` used to say ``--output: /proc cannot be written: ...``: the file
+    given is named now, and the folder as its folder."""
+    if where == "proc" and not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+    _no_model_load(monkeypatch)
+    if where == "proc":
+        folder, want = Path("/proc"), "its folder /proc cannot be written"
+    else:
+        folder = tmp_path / "afile"
+        folder.write_text("x")
+        want = f"its folder {folder} is a file, not a folder"
+    output = folder / "x.json"
+    res, text = _run(["bench", "--model", str(saved), "--output", str(output)])
+    _one_line_exit_2(res, text, f"error: --output {output}: {want}")

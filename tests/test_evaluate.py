@@ -194,7 +194,8 @@ def test_policy_resolution_and_deduplication(sk, items_file):
     assert resolve_policy(sk, custom.to_dict()) == ("custom", custom)
     assert resolve_policy(sk, "full") == ("full", FullPolicy(L))
     for bad, match in [("fast", "unknown policy"), (0.5, "speedup"), ("{bad json", "JSON"),
-                       (LinearDecayPolicy(num_layers=8, max_layers=4, min_layers=2), "num_layers")]:
+                       (LinearDecayPolicy(num_layers=8, max_layers=4, min_layers=2), "num_layers"),
+                       (object(), "not a policy"), ([2], "not a policy")]:
         with pytest.raises(ValueError, match=match):
             resolve_policy(sk, bad)
 
@@ -323,7 +324,7 @@ def test_bad_data_files_give_data_error_and_clean_cli_exit(ckpt, tmp_path, conte
         (["--policy", "warp"], "unknown policy"),
         (["--batch-size", "0"], "--batch-size"),
         (["--task", "qa"], "--task"),
-        (["--metric", "meteor"], "unknown metric"),
+        (["--metric", "meteor"], "--metric must be one of bleu, chrf, nist, rouge1, rouge2, rougeL, got 'meteor'"),
         (["--offset", "-1"], "--offset"),
         (["--offset", "5"], "skips every item"),
     ],

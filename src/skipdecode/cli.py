@@ -28,7 +28,6 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     NO_ADAPTER_HELP,
     PREFIX_CACHE_HELP,
     QUANTIZE_HELP,
-    as_option_error,
     check_cohort_option,
     check_policy_options,
     check_output_folder,
@@ -45,6 +44,13 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     stock_weights_at_full_depth,
     stop_from_options,
 )
+from .cli_eval_options import check_eval_rows, check_eval_run, eval_error_message, eval_items  # noqa: E402
+
+#: ``eval --model``'s help: unlike generate/bench/serve, its default is the stock weights.
+EVAL_MODEL_HELP = ("HF model id, checkpoint directory or .gguf file; repeatable. Default: 'stock', the embedded "
+                   "SmolLM2-135M-Instruct WITHOUT its skip adapter (its stock weights; generate, bench and "
+                   "serve merge the adapter by default). '--model default' evaluates the embedded model with its "
+                   "2x skip adapter merged; '--model stock --model default' compares the two.")
 
 
 @app.command()
@@ -111,7 +117,7 @@ def _collect_prompts(prompts: Optional[List[str]], prompts_file: Optional[Path])
     """``generate``'s prompts: the arguments, then ``--prompts-file``'s lines (exits 2 on none or a blank one)."""
     all_prompts = list(prompts or [])
     if prompts_file is not None:
-        all_prompts += read_prompts_file(prompts_file, "holds no prompts (one per line; blank lines are skipped)")
+        all_prompts += read_prompts_file(prompts_file)
     if not all_prompts:
         fail("give at least one prompt (argument) or --prompts-file")
     blank = [i + 1 for i, p in enumerate(prompts or []) if not p.strip()]
@@ -216,7 +222,7 @@ def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]
 @app.command("eval")
 def eval_command(
     ctx: typer.Context,
-    models: List[str] = typer.Option([], "--model", "-m", help=MODEL_HELP + " Repeatable; 'stock' = the embedded default without its skip adapter, 'default' = with it."),
+    models: List[str] = typer.Option([], "--model", "-m", help=EVAL_MODEL_HELP),
     data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
     speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
@@ -251,9 +257,9 @@ def eval_command(
     from .evaluate import detect_task, evaluate
 
     check_quantize_option(quantize)
-    stops = _check_eval_options(calm_thresholds, calm_min_layers, stop, cohort_size, batch_size, inflight, limit,
-                                max_new_tokens, task)
-    data, items = _eval_items(data, task, skip_bad_rows, offset, limit)
+    check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics)
+    stops = check_eval_run(stop, cohort_size, batch_size, inflight, limit, max_new_tokens, task)
+    data, items = eval_items(data, task, skip_bad_rows, offset, limit)
     eval_task = task or detect_task(data)
     check_output_folder(out_dir, "--out")
     entries = _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter)
@@ -269,7 +275,7 @@ def eval_command(
             inflight=inflight, cohort_size=cohort_size, prefix_cache=prefix_cache,
         )
     except (DataError, ValueError) as e:
-        fail(str(e))
+        fail(eval_error_message(e, speedups, policies))
     if baseline_label is not None:
         report.set_baseline(baseline_label)
     try:
@@ -278,51 +284,6 @@ def eval_command(
         fail(f"cannot write the report to {out_dir}: {e}")
     print(report.to_markdown(), flush=True)  # plain print: rich would re-wrap the table's lines
     err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False, markup=False)
-
-
-def _check_eval_options(calm_thresholds, calm_min_layers, stop, cohort_size, batch_size, inflight, limit,
-                        max_new_tokens, task) -> list:
-    """Check ``eval``'s options before any data or model is read; return the ``--stop`` strings."""
-    from .calm import CalmConfig
-    from .evaluate import TASKS
-
-    for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
-        try:
-            CalmConfig(threshold, calm_min_layers)
-        except ValueError as e:
-            fail(as_option_error(e, {"threshold": "--calm-threshold", "min_layers": "--calm-min-layers"}))
-    # --stop '' alone means "no stop string" (the E2E default is a newline); otherwise the rule of
-    # skipdecode.limits, with \n and \t written as escapes
-    escaped = [s.replace("\\n", "\n").replace("\\t", "\t") for s in stop]
-    stops = [] if escaped == [""] else stop_from_options(escaped)
-    check_cohort_option(cohort_size, batch_size, "--batch-size")
-    if cohort_size > 1 and not inflight:
-        fail("--cohort-size applies to in-flight batching; drop it or --static")
-    if limit is not None and limit < 1:
-        fail(f"--limit must be >= 1, got {limit}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if task is not None and task not in TASKS:
-        fail(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    return stops
-
-
-def _eval_items(data, task, skip_bad_rows, offset, limit) -> tuple:
-    """``eval``'s data path (``--data`` or the shared E2E test set) and its selected items."""
-    from .data import DataError, load_eval_items, select_items, shared_data_path
-
-    try:
-        data = shared_data_path(data, "e2e/testset_w_refs.csv")
-        items = load_eval_items(data, task=task, skip_bad_rows=skip_bad_rows)
-    except (DataError, ValueError) as e:
-        fail(str(e))
-    if getattr(items, "n_skipped", 0):
-        err.print(f"[yellow]skipped {items.n_skipped} bad row(s) of {escape(str(data))}[/]", highlight=False)
-    try:
-        items = select_items(items, offset, limit, str(data))
-    except ValueError as e:
-        fail(str(e))
-    return data, items
 
 
 def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) -> dict:

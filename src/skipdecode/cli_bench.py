@@ -16,6 +16,7 @@ from .cli_common import (
     NO_ADAPTER_HELP,
     QUANTIZE_HELP,
     check_output_folder,
+    check_policy_options,
     check_quantize_option,
     set_threads,
     command_line,
@@ -60,8 +61,8 @@ def bench(
                                                          repeats, warmup, horizon, bandwidth_gbs)
     prompts = B.DEFAULT_PROMPTS
     if prompts_file is not None:
-        prompts = tuple(read_prompts_file(prompts_file, "holds no prompt"))
-    check_output_folder(output.parent, "--output")
+        prompts = tuple(read_prompts_file(prompts_file))
+    check_output_folder(output.parent, "--output", output)
     if device.startswith("cuda"):
         import torch
 
@@ -108,21 +109,27 @@ def _parse_bench_options(batch_sizes, speedups, profile_batch_sizes, new_tokens,
     for name, value, low in (("--new-tokens", new_tokens, 2), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
         if value < low:
             fail(f"{name} must be >= {low}, got {value}")
-    if horizon is not None and horizon < 1:
-        fail(f"--horizon must be >= 1, got {horizon}")
+    check_policy_options(None, None, None, horizon)  # --horizon >= 1
     if bandwidth_gbs <= 0:
         fail(f"--bandwidth-gbs must be > 0, got {bandwidth_gbs}")
     return sizes, targets, profile_sizes
 
 
 def _parse_variant_list(variants, quantize, compile) -> list:
-    """The variants to time: ``--variants``, else the one that ``--quantize``/``--compile`` name."""
+    """The variants to time: ``--variants``, else the one that ``--quantize``/``--compile`` name.
+    Exits 2 with one line naming ``--variants`` on an unknown item or one given twice (it would be
+    timed twice, its rows in the table twice, and the JSON would keep one)."""
     from . import bench_engines as E
 
     try:
-        return E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
+        variant_list = E.parse_variants(variants or (quantize or "float32") + ("+compile" if compile else ""))
     except ValueError as e:
         fail(str(e))
+    names = [name for name, _, _ in variant_list]
+    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if repeated is not None:
+        fail(f"--variants lists {repeated!r} more than once; give each variant once")
+    return variant_list
 
 
 def _llamacpp_gguf(llamacpp: str) -> str:

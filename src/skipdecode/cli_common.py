@@ -116,9 +116,13 @@ def sampling_from_options(temperature, top_k, top_p, seed):
     """:class:`~skipdecode.sampling.SamplingParams` from the CLI options; exits 2 with one line
     naming the option (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``) and its allowed
     range when a value is out of range (the ranges are the library's, e.g. the seed's int64 range
-    of :mod:`skipdecode.limits`, the same as the server's)."""
+    of :mod:`skipdecode.limits`, the same as the server's; the seed's is checked here, as the
+    library's message also allows None, which the option cannot be given)."""
+    from .limits import SEED_MAX, SEED_MIN
     from .sampling import SamplingParams
 
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        fail(f"--seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64), got {seed}")
     try:
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     except ValueError as e:
@@ -183,25 +187,42 @@ def check_quantize_option(quantize) -> None:
         fail(f"--quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
 
 
-def read_prompts_file(path: Path, empty: str) -> list:
-    """The non-blank lines of ``--prompts-file`` ``path``; exits 2 with one line when it does not
-    exist, or holds none (``--prompts-file PATH`` followed by ``empty``)."""
+#: What ``--prompts-file`` must hold, said when it holds no prompt (``generate`` and ``bench``).
+PROMPTS_FILE_EMPTY = "holds no prompts (one per line; blank lines are skipped)"
+
+
+def read_prompts_file(path: Path) -> list:
+    """The non-blank lines of ``--prompts-file`` ``path`` (UTF-8 text); exits 2 with one line naming
+    ``--prompts-file`` when it does not exist, is a folder, cannot be read, is not UTF-8 text, or
+    holds no prompt (:data:`PROMPTS_FILE_EMPTY`)."""
     if not path.exists():
         fail(f"--prompts-file {path} does not exist")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.is_dir():
+        fail(f"--prompts-file {path} is a folder, not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        fail(f"--prompts-file {path} is not UTF-8 text")
+    except OSError as e:
+        fail(f"--prompts-file {path} cannot be read: {e.strerror or e}")
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
-        fail(f"--prompts-file {path} {empty}")
+        fail(f"--prompts-file {path} {PROMPTS_FILE_EMPTY}")
     return lines
 
 
-def check_output_folder(folder: Path, option: str) -> None:
+def check_output_folder(folder: Path, option: str, given: Path | None = None) -> None:
     """Exit 2 with one line naming ``option`` unless ``folder`` can receive files (checked before
-    any long work, so nothing is computed for an output that cannot be written)."""
+    any long work, so nothing is computed for an output that cannot be written).
+
+    ``given``: the option's value when it is a file in ``folder`` (``--output DIR/x.json``), named
+    in the message with its folder; None when the option names ``folder`` itself (``--out DIR``).
+    """
     from .paths import writable_dir_problem
 
-    problem = writable_dir_problem(folder)
+    problem = writable_dir_problem(folder)  # "FOLDER is a file, ..." / "FOLDER cannot be written: REASON"
     if problem is not None:
-        fail(f"{option}: {problem}")
+        fail(f"{option} {problem}" if given is None else f"{option} {given}: its folder {problem}")
 
 
 def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=None, compile=False, adapter=True):

@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from .eval_report import EvalRow
 from .jsonio import dumps
-from .policy import FullPolicy, LinearDecayPolicy, SkipPolicy, policy_from_dict
+from .policy import FullPolicy, LinearDecayPolicy, SkipPolicy, check_policy, policy_from_dict
 
 __all__ = ["PolicySpec", "resolve_policy", "policy_summary", "is_single_spec", "plan_rows"]
 
@@ -86,12 +86,9 @@ def resolve_policy(model, spec: PolicySpec, *, horizon: int | None = None) -> tu
         policy = policy_from_dict(spec)
     else:
         policy = spec
-    if not hasattr(policy, "active_layers") or not hasattr(policy, "to_dict"):
+    if policy is None or not isinstance(policy, SkipPolicy):
         raise ValueError(f"not a policy: {spec!r}")
-    if policy.num_layers != model.num_layers:
-        raise ValueError(
-            f"policy.num_layers ({policy.num_layers}) must equal the model's num_layers ({model.num_layers})"
-        )
+    policy = check_policy(policy, model.num_layers)
     return ("full" if isinstance(policy, FullPolicy) else "custom"), policy
 
 
