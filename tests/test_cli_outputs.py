@@ -220,8 +220,22 @@ def test_eval_data_folder_names_the_option(saved, tmp_path, monkeypatch):
     folder = tmp_path / "data"
     folder.mkdir()
     res, text = _run(["eval", "--model", str(saved), "--data", str(folder), "--out", str(tmp_path / "o")])
-    _one_line_exit_2(res, text, f"error: --data {folder} is a folder; give the .csv (E2E) or .jsonl file")
+    _one_line_exit_2(res, text, f"error: --data {folder}: is a folder; give a .csv (E2E) or .jsonl file")
     assert "unsupportedfiletype" not in text
+
+
+def test_train_data_folder_fails_before_loading_naming_the_option(tmp_path, monkeypatch):
+    """``train --data DIR`` used to load the model, then say ``unsupported file type ''``."""
+    _no_model_load(monkeypatch)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    res, text = _run(["train", "--data", str(folder), "--out", str(tmp_path / "run"), "--speedup", "2", "--max-steps", "1"])
+    _one_line_exit_2(res, text, f"error: --data {folder}: is a folder; give a .csv (E2E) or .jsonl file")
+
+
+def test_train_model_help_says_it_starts_from_the_stock_weights():
+    res, text = _run(["train", "--help"])
+    assert res.exit_code == 0 and "stockweights" in text and "neverstartsfromashippedskipadapter" in text
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "proc"])

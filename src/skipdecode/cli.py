@@ -47,6 +47,8 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
 from .cli_eval_options import check_eval_rows, check_eval_run, eval_error_message, eval_items  # noqa: E402
 
 #: ``eval --model``'s help: unlike generate/bench/serve, its default is the stock weights.
+TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory or .gguf file. Default: the embedded "
+                    "SmolLM2-135M-Instruct's stock weights (training never starts from a shipped skip adapter).")
 EVAL_MODEL_HELP = ("HF model id, checkpoint directory or .gguf file; repeatable. Default: 'stock', the embedded "
                    "SmolLM2-135M-Instruct WITHOUT its skip adapter (its stock weights; generate, bench and "
                    "serve merge the adapter by default). '--model default' evaluates the embedded model with its "
@@ -308,7 +310,7 @@ def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) ->
 
 @app.command()
 def train(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=TRAIN_MODEL_HELP),
     data: str = typer.Option(..., "--data", help="Training data: .csv (E2E), .jsonl (prompt/response or CNN/DM) or a HF dataset name; relative paths are also looked up in the shared data folder."),
     out: Path = typer.Option(..., "--out", "-o", help="Run directory: checkpoints, final/ (the model) and train_record.json."),
     task: Optional[str] = typer.Option(None, "--task", help="Prompt template (e2e, cnndm, plain; default: by file type)."),
@@ -358,7 +360,7 @@ def train(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
 ) -> None:
     """Fine-tune a model with its skip schedule in place; prints the run record's summary as JSON."""
-    from .data import DataError
+    from .data import DataError, check_data_file
     from .train import TrainConfig, TrainConfigError, train as run_train
 
     # TrainConfig field -> the option that sets it (for error messages)
@@ -392,13 +394,17 @@ def train(
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")
+    try:
+        check_data_file(data)  # a folder fails here, before the model loads
+    except DataError as e:
+        fail(f"--data {e}")
     sk = load_model(model, "cpu", "float32", chat, adapter=False)  # train from the stock weights
     try:
         result = run_train(sk, data, config)
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")
     except DataError as e:
-        fail(f"--data: {e}")
+        fail(f"--data {e}")
     except ValueError as e:
         fail(str(e))
     err.print(

@@ -6,7 +6,6 @@ one line, exit status 2."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from rich.markup import escape
 
@@ -70,7 +69,7 @@ def eval_items(data, task, skip_bad_rows, offset, limit) -> tuple:
 
     Raises:
         typer.Exit: (2, via :func:`~skipdecode.cli_common.fail`) data that cannot be read: a
-            ``--data`` folder (``--data DIR is a folder; give ...``), a file the readers refuse
+            ``--data`` folder (``--data DIR: is a folder; give ...``), a file the readers refuse
             (its message after ``--data``), or an ``--offset`` that skips every item.
     """
     from .data import DataError, load_eval_items, select_items, shared_data_path
@@ -92,11 +91,9 @@ def eval_items(data, task, skip_bad_rows, offset, limit) -> tuple:
 
 
 def _data_error_message(error, given) -> str:
-    """The one line for a :class:`~skipdecode.data.DataError` of ``eval``'s data: a folder is named
-    as one (the reader would call it an ``unsupported file type ''``); a problem of the file the
-    user gave (``given``: ``--data``'s value) is prefixed with ``--data``; others unchanged."""
-    if error.path is not None and Path(error.path).is_dir():
-        return f"--data {error.path} is a folder; give the .csv (E2E) or .jsonl file"
+    """The one line for a :class:`~skipdecode.data.DataError` of ``eval``'s data: a problem of the
+    file the user gave (``given``: ``--data``'s value; a folder among them,
+    :func:`~skipdecode.data.check_data_file`) is prefixed with ``--data``; others unchanged."""
     if given and error.path is not None:
         return f"--data {error}"
     return str(error)

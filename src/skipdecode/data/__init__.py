@@ -34,7 +34,8 @@ keeps working):
 * :mod:`.templates`: :data:`TEMPLATES`, :func:`template_fields`, :func:`format_prompt`.
 * :mod:`.rows`: low-level CSV/JSONL rows, the bad-row collector, record conversion.
 * :mod:`.e2e`, :mod:`.jsonl`, :mod:`.cnndm`, :mod:`.hub`: one reader module per source.
-* :mod:`.load`: :func:`load_examples`, :func:`load_eval_items` (dispatch), :func:`select_items`.
+* :mod:`.load`: :func:`load_examples`, :func:`load_eval_items` (dispatch), :func:`select_items`,
+  :func:`check_data_file` (a folder refused before any long work).
 * :mod:`.horizon`: :func:`median_response_tokens`.
 """
 
@@ -45,7 +46,7 @@ from .e2e import read_e2e_eval, read_e2e_pairs
 from .folder import default_data_dir, shared_data_path
 from .horizon import median_response_tokens
 from .jsonl import read_jsonl_eval, read_jsonl_pairs
-from .load import load_eval_items, load_examples, select_items
+from .load import check_data_file, load_eval_items, load_examples, select_items
 from .records import DataError, EvalItem, Example, ReadResult
 from .templates import TEMPLATES, format_prompt, template_fields
 
@@ -68,5 +69,6 @@ __all__ = [
     "read_cnndm_pairs",
     "load_examples",
     "load_eval_items",
+    "check_data_file",
     "median_response_tokens",
 ]

@@ -38,6 +38,20 @@ def _resolve_file(spec: str | os.PathLike) -> Path | None:
     return None
 
 
+def check_data_file(spec: str | os.PathLike) -> None:
+    """Refuse, before any long work, a ``spec`` that names a local folder: the readers take one
+    ``.csv`` (E2E) or ``.jsonl`` file (a relative path is also looked up under
+    :func:`default_data_dir`, as :func:`load_examples` does). Anything else passes: a file is
+    checked when read, a name that is no local path may be a Hugging Face dataset.
+
+    Raises:
+        DataError: ``spec`` is a folder (the error's ``path`` is the folder).
+    """
+    p = _resolve_file(spec)
+    if p is not None and p.is_dir():
+        raise DataError("is a folder; give a .csv (E2E) or .jsonl file", path=p)
+
+
 def _read_file(p: Path, task: str | None, skip_bad_rows: bool,
                readers: tuple[Callable[..., ReadResult], ...]) -> ReadResult:
     """Read an existing file with ``readers`` = (E2E CSV, CNN/DM JSONL, other JSONL), chosen by
@@ -47,6 +61,7 @@ def _read_file(p: Path, task: str | None, skip_bad_rows: bool,
         DataError: a suffix other than ``.csv``/``.jsonl``, or any reader error.
     """
     csv_reader, cnndm_reader, jsonl_reader = readers
+    check_data_file(p)
     suffix = p.suffix.lower()
     if suffix == ".csv":
         return csv_reader(p, task=task or "e2e", skip_bad_rows=skip_bad_rows)
