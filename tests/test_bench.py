@@ -147,6 +147,31 @@ def test_bad_arguments(tiny):
     assert len(batch_prompts(40)) == 40 and len(set(batch_prompts(32))) == 32
 
 
+def test_a_trained_schedule_of_another_horizon_is_named_not_timed_silently(result):
+    """A model trained for its own 2x schedule (horizon 4, what ``generate --speedup 2`` runs):
+    timed over horizon NEW_TOKENS, the benchmark runs the generic 2x schedule instead, and says so
+    (in the meta and through ``on_progress``); at the trained horizon it times the trained one and
+    says nothing. The stock model has no notes."""
+    from skipdecode.policy import LinearDecayPolicy
+
+    trained = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=7, min_layers=2, warmup_layers=1, horizon=4)
+    sk = SkipModel(make_model("llama", num_layers=NUM_LAYERS), make_tokenizer(),
+                   skip_config={"policies": {"2": trained.to_dict()}, "horizon": 4})
+    said = []
+    other = run_benchmark(sk, batch_sizes=(1,), speedups=(2,), new_tokens=NEW_TOKENS, repeats=1, warmup=0,
+                          include_hf=False, on_progress=said.append)
+    (note,) = other["meta"]["schedule_notes"]
+    assert note.startswith("2x:") and "horizon 4" in note and f"horizon {NEW_TOKENS}" in note and "--horizon 4" in note
+    assert note in said
+    timed = [r for r in other["rows"] if r["policy"] == "2x"][0]["policy_config"]
+    assert policy_from_dict(timed) != trained
+    same = run_benchmark(sk, batch_sizes=(1,), speedups=(2,), new_tokens=NEW_TOKENS, horizon=4, repeats=1,
+                         warmup=0, include_hf=False)
+    assert same["meta"]["schedule_notes"] == []
+    assert policy_from_dict([r for r in same["rows"] if r["policy"] == "2x"][0]["policy_config"]) == trained
+    assert result["meta"]["schedule_notes"] == []
+
+
 def test_cli_bench_last_line_is_json(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -35,7 +35,7 @@ def bench(
     batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes."),
     speedups: str = typer.Option("2,3,5", "--speedups", help="Comma-separated target speedups (full depth is always run)."),
     new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated per row in every run (equal lengths)."),
-    horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens)."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens). A model trained for its own schedule of another horizon (the embedded model's 2x adapter: 4) then times the generic schedule; the run says so, and --horizon H times the trained one."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per configuration (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per configuration."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads (default: all cores)."),

@@ -126,3 +126,24 @@ def bench_policies(sk, speedups: Sequence[float], horizon: int) -> list[tuple[st
     for s in speedups:
         policies.append((_policy_name(s), float(s), sk.policy_for(speedup=float(s), horizon=horizon)))
     return policies
+
+
+def schedule_notes(sk, speedups: Sequence[float], horizon: int) -> list[str]:
+    """One line per target speedup whose timed schedule is not the one the model was trained
+    for: where ``sk`` has a trained schedule for ``s`` (:meth:`SkipModel.trained_policy`, the one
+    ``generate --speedup s`` runs) and ``horizon`` (tokens) differs from its horizon, the
+    benchmark times the generic :func:`~skipdecode.policy.for_speedup` schedule instead
+    (:meth:`SkipModel.policy_for`'s rule); the line says so and how to time the trained one.
+    Empty for models without trained schedules (the stock weights) and when ``horizon`` matches.
+    """
+    notes = []
+    for s in speedups:
+        trained = sk.trained_policy(float(s))
+        if trained is None or sk.policy_for(speedup=float(s), horizon=horizon) == trained:
+            continue
+        h = getattr(trained, "horizon", None)
+        notes.append(f"{_policy_name(s)}: this model was trained for its own {_policy_name(s)} schedule (horizon {h}, "
+                     f"what generate --speedup {float(s):g} runs); this run times the generic schedule over horizon "
+                     f"{horizon} instead; pass --horizon {h} to time the trained one")
+    return notes
+

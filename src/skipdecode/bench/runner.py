@@ -19,7 +19,7 @@ from ..generate import encode_prompts, generate
 from ..lowrank import has_decode_only_adapter
 from ..policy import SkipPolicy, theoretical_speedup
 from .clock import _device, _per_step, _sync
-from .inputs import DEFAULT_PROMPTS, batch_prompts, bench_policies
+from .inputs import DEFAULT_PROMPTS, batch_prompts, bench_policies, schedule_notes
 
 
 def _run_ours(sk, prompts: list[str], policy: SkipPolicy, new_tokens: int) -> dict[str, Any]:
@@ -138,7 +138,10 @@ def run_benchmark(
         speedups: target speedups s > 1 for ``sk.policy_for(speedup=s, horizon=horizon)``;
             full depth is always measured.
         new_tokens: tokens generated per row in every run (>= 2: at least one decode step).
-        horizon: T of the policies (tokens); default ``new_tokens``.
+        horizon: T of the policies (tokens); default ``new_tokens``. Where the model has a trained
+            schedule of another horizon for a target, the generic one is timed and
+            ``meta["schedule_notes"]`` (also sent to ``on_progress``) says so
+            (:func:`~skipdecode.bench.inputs.schedule_notes`).
         repeats: timed runs per configuration; the median is reported.
         warmup: untimed runs per configuration before timing.
         include_hf: also time Hugging Face ``generate``.
@@ -157,6 +160,9 @@ def run_benchmark(
     progress = on_progress or (lambda msg: None)
     device = _device(sk)
     policies = bench_policies(sk, speedups, horizon)
+    notes = schedule_notes(sk, speedups, horizon)
+    for note in notes:
+        progress(note)
     eos_ids = _eos_ids(sk)
 
     rows: list[dict[str, Any]] = []
@@ -172,8 +178,8 @@ def run_benchmark(
         rows += _batch_rows(B, policies, runs, sk.num_layers, include_hf, int(attention_mask.sum()), eos_ids,
                             compare_ids=not has_decode_only_adapter(sk.model))
 
-    return {"meta": _meta(sk, batch_sizes, speedups, new_tokens, horizon, repeats, warmup, include_hf),
-            "rows": rows, "targets": _targets(rows)}
+    meta = _meta(sk, batch_sizes, speedups, new_tokens, horizon, repeats, warmup, include_hf)
+    return {"meta": {**meta, "schedule_notes": notes}, "rows": rows, "targets": _targets(rows)}
 
 
 def _check_counts(new_tokens: int, repeats: int, warmup: int, batch_sizes: Sequence[int]) -> None:
