@@ -6,7 +6,6 @@ one line, exit status 2."""
 
 from __future__ import annotations
 
-
 from rich.markup import escape
 
 from .cli_common import as_option_error, check_cohort_option, check_policy_options, err, fail, stop_from_options
