@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server over the SkipDecode engine (FastAPI + uvicorn).
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream: true`` as server-sent events), ``GET /health``. Besides the OpenAI fields, a request may
-carry the SkipDecode fields ``speedup`` or ``max_layers``/``min_layers``/``warmup_layers``/``horizon``;
-the response's ``usage`` carries the generation statistics (``skipdecode`` key). Concurrent
+``stream: true`` as server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus metrics,
+:mod:`skipdecode.server_metrics`). Besides the OpenAI fields, a request may carry the SkipDecode
+fields ``speedup`` or ``max_layers``/``min_layers``/``warmup_layers``/``horizon``; the response's
+``usage`` carries the generation statistics (``skipdecode`` key). Concurrent
 requests share forward passes: each prompt is a row of one in-flight batch with its own decode
 step and policy (:mod:`skipdecode.scheduler`, no global lock); a completions request with a list
 of prompts gives several rows. A full waiting queue answers 429; a client that disconnects has its
@@ -56,6 +57,7 @@ from .protocol import (
     validation_message,
 )
 from .scheduler import QueueFull, Scheduler
+from .server_metrics import RequestTimer, ServerMetrics
 
 __all__ = ["create_app", "uvicorn_options", "APIError", "CompletionRequest", "ChatCompletionRequest", "StreamOptions"]
 
@@ -116,6 +118,7 @@ class _BodyLimit:
         if scope["type"] == "http":
             length = dict(scope.get("headers") or []).get(b"content-length", b"")
             if length.isdigit() and int(length) > self.max_request_bytes:
+                _count_refusal(scope.get("app"), scope.get("path", ""), 413)
                 response = _error_response(
                     413, f"the request body is {int(length)} bytes; this server accepts at most "
                     f"{self.max_request_bytes} (max_request_bytes)")
@@ -124,14 +127,23 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
+def _count_refusal(app: Any, path: str, status: int) -> None:
+    """Count a refused request in ``app``'s metrics (:meth:`ServerMetrics.refused`), if it has them."""
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    if metrics is not None:
+        metrics.refused(path, status)
+
+
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """400 ``invalid_request_error`` for a schema error or broken JSON (not FastAPI's 422)."""
+    _count_refusal(request.app, request.url.path, 400)
     message, param = validation_message(exc.errors())
     return _error_response(400, message, param)
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An HTTP error (an :class:`APIError`, an unknown route) in OpenAI's shape, its headers kept."""
+    _count_refusal(request.app, request.url.path, exc.status_code)  # 400s and 429s
     message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
     return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
                            headers=exc.headers)
@@ -175,20 +187,23 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
 
 
 class _Routes:
-    """One app's state (``model`` served as ``model_name``, its scheduler and executor) and the
-    route handlers :meth:`register` adds. The handlers have no docstrings on purpose: FastAPI would
+    """One app's state (``model`` served as ``model_name``, its scheduler, executor and metrics) and
+    the route handlers :meth:`register` adds. The handlers have no docstrings on purpose: FastAPI would
     publish them as the routes' OpenAPI descriptions."""
 
-    def __init__(self, model: SkipModel, model_name: str, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, model: SkipModel, model_name: str, scheduler: Scheduler, executor: Executor,
+                 metrics: ServerMetrics) -> None:
         self.model = model
         self.model_name = model_name
         self.scheduler = scheduler
         self.executor = executor
+        self.metrics = metrics
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
 
     def register(self, app: FastAPI) -> None:
         """Add the routes (the module docstring's endpoints) to ``app``."""
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"], include_in_schema=False)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id}", self.retrieve_model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -211,29 +226,38 @@ class _Routes:
         except QueueFull as e:
             raise APIError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
 
-    async def _collect(self, sub: Submission, request: Request) -> Optional[GenerationResult]:
-        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects."""
+    async def _collect(self, sub: Submission, request: Request, timer: RequestTimer) -> Optional[GenerationResult]:
+        """Wait for every row of ``sub``; None (rows cancelled) if the client disconnects. The
+        request's end is recorded in the metrics (``timer``) whichever way it ends."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
             while not sub.finished:
                 try:
                     await sub.next(timeout=0.25)
+                    timer.token()
                 except asyncio.TimeoutError:
                     pass
                 if loop.time() - checked >= 0.25:  # look for a vanished client 4 times a second
                     checked = loop.time()
                     if await request.is_disconnected():
                         return None
-            return sub.result(self.model.num_layers)
+            result = sub.result(self.model.num_layers)
+            self.metrics.finish(timer, result)
+            return result
+        except Exception:
+            self.metrics.end(timer, "error")
+            raise
         finally:
             if not sub.finished:
                 sub.cancel()
+            self.metrics.end(timer, "cancelled")  # nothing if recorded above
 
-    async def _stream(self, sub: Submission, job: ValidRequest) -> AsyncIterator[str]:
+    async def _stream(self, sub: Submission, job: ValidRequest, timer: RequestTimer) -> AsyncIterator[str]:
         """Server-sent events of one request: text deltas, each row's finish reason, with
         ``stream_options.include_usage`` a last chunk holding ``usage``, then ``data: [DONE]``.
-        If the client goes away, the generator is closed and the rows are cancelled."""
+        If the client goes away, the generator is closed and the rows are cancelled. The request's
+        end is recorded in the metrics (``timer``): completed, error, or else cancelled."""
         include_usage, kind = job.include_usage, job.kind
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -259,27 +283,34 @@ class _Routes:
                 for i in range(n):
                     yield event(i, role=True)
             while not sub.finished:
-                for i, delta, finished in await sub.next():
+                items = await sub.next()
+                timer.token()
+                for i, delta, finished in items:
                     if delta:
                         yield event(i, delta)
                     if finished:
                         yield event(i, finish=_reason(sub.texts[i].reason))
+            result = sub.result(self.model.num_layers)
+            self.metrics.finish(timer, result)
             if include_usage:
-                yield sse([], _usage(sub.result(self.model.num_layers)))
+                yield sse([], _usage(result))
         except Exception as e:  # noqa: BLE001 - headers are sent: the error travels as an event
+            self.metrics.end(timer, "error")
             yield "data: " + dumps(error_body(f"generation failed ({type(e).__name__})", "server_error")) + "\n\n"
         finally:
             if not sub.finished:
                 sub.cancel()
+            self.metrics.end(timer, "cancelled")  # the client went away (nothing if recorded above)
         yield "data: [DONE]\n\n"
 
     async def _respond(self, req, request: Request, body: Callable[[GenerationResult], dict[str, Any]]):
         """Validate and queue ``req``: its event stream, 499 if the client is gone, else ``body(result)``."""
+        timer = self.metrics.start("chat" if isinstance(req, ChatCompletionRequest) else "completions")
         job = await self._validate(req)  # every check before the queue (and the stream)
         sub = await self._submit(job)
         if job.stream:
-            return StreamingResponse(self._stream(sub, job), media_type="text/event-stream")
-        result = await self._collect(sub, request)
+            return StreamingResponse(self._stream(sub, job, timer), media_type="text/event-stream")
+        result = await self._collect(sub, request, timer)
         if result is None:
             return Response(status_code=499)  # the client is gone
         return body(result)
@@ -324,6 +355,10 @@ class _Routes:
         return {"status": "ok", "num_layers": self.model.num_layers, "policy": self.model.policy.to_dict(),
                 "scheduler": self.scheduler.stats(), "event_loop": loop}
 
+    def prometheus(self, request: Request) -> Response:
+        content, content_type = self.metrics.render(request.headers.get("accept"))
+        return Response(content, media_type=content_type)
+
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
 
@@ -365,7 +400,9 @@ def create_app(
     default token budget, an integer: that budget, False/0: off; :class:`~skipdecode.engine.Engine`):
     prompts that share a prefix with recent ones prefill only the rest; each response's
     ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens. The app's
-    ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included).
+    ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included);
+    ``state.metrics`` the app's :class:`~skipdecode.server_metrics.ServerMetrics`, its own
+    Prometheus registry, which ``GET /metrics`` serves.
     A streamed response sends each row's tokens in events of ``stream_interval`` tokens (its first
     token and its last at once; vLLM's and SGLang's ``--stream-interval``; 1, the default: one
     event per token), :class:`~skipdecode.execution.Submission`.
@@ -394,7 +431,8 @@ def create_app(
                           align_steps=0 if serial else align_steps)
     executor = Executor(model, scheduler, stream_interval)
     app.state.scheduler = scheduler
+    app.state.metrics = ServerMetrics(scheduler, model.num_layers)
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
     _add_error_handlers(app)
-    _Routes(model, model_name, scheduler, executor).register(app)
+    _Routes(model, model_name, scheduler, executor, app.state.metrics).register(app)
     return app
