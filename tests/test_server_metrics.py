@@ -28,7 +28,7 @@ from test_server_loopback import STEP_DELAY, run, start_server, stop_server, wai
 
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("stop", "length", "cancelled", "error")
-REASONS = ("invalid_request", "too_large", "queue_full")
+REASONS = ("invalid_request", "not_found", "too_large", "queue_full")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TOKENS = {"prompt_tokens": "skipdecode_prompt_tokens_total",
           "completion_tokens": "skipdecode_completion_tokens_total"}
@@ -140,7 +140,7 @@ def test_refusals_are_counted_by_endpoint_and_reason(sk, monkeypatch):
     broken = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert broken.status_code == 400
     assert client.post("/v1/completions", json={"prompt": "x " * 2000}).status_code == 413
-    assert client.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 404  # not counted
+    assert client.post("/v1/completions", json={"prompt": "x", "model": "other"}).status_code == 404
 
     def full(requests, sink):
         raise QueueFull("the server is busy")
@@ -149,7 +149,7 @@ def test_refusals_are_counted_by_endpoint_and_reason(sk, monkeypatch):
     msgs = [{"role": "user", "content": "hi"}]
     assert client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).status_code == 429
     s = scrape(client)
-    want = {("completions", "invalid_request"): 2, ("chat", "invalid_request"): 1,
+    want = {("completions", "invalid_request"): 2, ("chat", "invalid_request"): 1, ("completions", "not_found"): 1,
             ("completions", "too_large"): 1, ("chat", "queue_full"): 1}
     for e in ENDPOINTS:
         for reason in REASONS:

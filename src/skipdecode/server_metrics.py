@@ -19,8 +19,9 @@ The metrics (names, units and meanings; docs/serving.md#metrics-get-metrics list
   of requests that ended with ``stop`` or ``length`` (``prompt_tokens``,
   ``prompt_tokens_details.cached_tokens``, ``completion_tokens``);
 - ``skipdecode_requests_rejected_total{endpoint, reason}`` (counter): requests answered with an
-  error before they were queued: ``invalid_request`` (400), ``too_large`` (413), ``queue_full``
-  (429); ``endpoint`` ``other`` for a path that is neither;
+  error before they were queued: ``invalid_request`` (400), ``not_found`` (404: a ``model`` other
+  than the served one, or an unknown path), ``too_large`` (413), ``queue_full`` (429);
+  ``endpoint`` ``other`` for a path that is neither endpoint (created at its first refusal);
 - ``skipdecode_running_rows``, ``skipdecode_waiting_rows`` (gauges; rows): rows decoding and rows
   waiting for a slot when scraped (a completions request with several prompts has several rows);
 - ``skipdecode_time_to_first_token_seconds`` (histogram; seconds): from the request's arrival at
@@ -52,7 +53,7 @@ __all__ = ["ServerMetrics", "RequestTimer", "endpoint_of"]
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("stop", "length", "cancelled", "error")
 #: HTTP status -> the ``reason`` label of ``skipdecode_requests_rejected_total``
-REJECTIONS = {400: "invalid_request", 413: "too_large", 429: "queue_full"}
+REJECTIONS = {400: "invalid_request", 404: "not_found", 413: "too_large", 429: "queue_full"}
 #: seconds; a CPU serves a first token in 0.1-1.5 s, one at a time under load in up to a minute
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -178,8 +179,8 @@ class ServerMetrics:
         self._observe_ttft(timer)
 
     def refused(self, path: str, status: int) -> None:
-        """Count a request to ``path`` answered with ``status`` before it was queued (400, 413 or
-        429; other statuses are not counted)."""
+        """Count a request to ``path`` answered with ``status`` before it was queued (400, 404, 413
+        or 429, :data:`REJECTIONS`; other statuses are not counted)."""
         reason = REJECTIONS.get(status)
         if reason is not None:
             self.rejected.labels(endpoint_of(path), reason).inc()
