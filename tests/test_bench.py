@@ -168,6 +168,14 @@ def test_a_trained_schedule_of_another_horizon_is_named_not_timed_silently(resul
     same = run_benchmark(sk, batch_sizes=(1,), speedups=(2,), new_tokens=NEW_TOKENS, horizon=4, repeats=1,
                          warmup=0, include_hf=False)
     assert same["meta"]["schedule_notes"] == []
+    from skipdecode.policy import with_full_depth_steps
+
+    led = SkipModel(make_model("llama", num_layers=NUM_LAYERS), make_tokenizer(),
+                    skip_config={"policies": {"2": with_full_depth_steps(trained, 3).to_dict()}, "horizon": 4})
+    (lead_note,) = run_benchmark(led, batch_sizes=(1,), speedups=(2,), new_tokens=NEW_TOKENS, repeats=1, warmup=0,
+                                 include_hf=False)["meta"]["schedule_notes"]
+    assert "first 3 decode steps at full depth" in lead_note and "well above 4" in lead_note
+    assert "full depth" not in note
     assert policy_from_dict([r for r in same["rows"] if r["policy"] == "2x"][0]["policy_config"]) == trained
     assert result["meta"]["schedule_notes"] == []
 

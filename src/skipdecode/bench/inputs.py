@@ -142,8 +142,11 @@ def schedule_notes(sk, speedups: Sequence[float], horizon: int) -> list[str]:
         if trained is None or sk.policy_for(speedup=float(s), horizon=horizon) == trained:
             continue
         h = getattr(trained, "horizon", None)
+        k = getattr(trained, "full_depth_steps", 0) or 0
+        lead = (f"; it runs its first {k} decode steps at full depth, so give --new-tokens well above {k + 1} "
+                f"for its skipping to show") if k else ""
         notes.append(f"{_policy_name(s)}: this model was trained for its own {_policy_name(s)} schedule (horizon {h}, "
                      f"what generate --speedup {float(s):g} runs); this run times the generic schedule over horizon "
-                     f"{horizon} instead; pass --horizon {h} to time the trained one")
+                     f"{horizon} instead; pass --horizon {h} to time the trained one{lead}")
     return notes
 
