@@ -305,7 +305,7 @@ class _Routes:
 
     async def _respond(self, req, request: Request, body: Callable[[GenerationResult], dict[str, Any]]):
         """Validate and queue ``req``: its event stream, 499 if the client is gone, else ``body(result)``."""
-        timer = self.metrics.start("chat" if isinstance(req, ChatCompletionRequest) else "completions")
+        timer = RequestTimer("chat" if isinstance(req, ChatCompletionRequest) else "completions")  # arrives now
         job = await self._validate(req)  # every check before the queue (and the stream)
         sub = await self._submit(job)
         if job.stream:

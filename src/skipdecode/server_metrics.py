@@ -123,7 +123,7 @@ class ServerMetrics:
         self.completion_tokens = Counter("skipdecode_completion_tokens", "Generated tokens of completed "
                                          "requests.", ["endpoint"], registry=r)
         self.rejected = Counter("skipdecode_requests_rejected", "Requests refused before they were queued "
-                                "(400 invalid_request, 413 too_large, 429 queue_full).",
+                                "(400 invalid_request, 404 not_found, 413 too_large, 429 queue_full).",
                                 ["endpoint", "reason"], registry=r)
         self.ttft = Histogram("skipdecode_time_to_first_token_seconds", "Seconds from a request's arrival "
                               "to its first token.", buckets=TTFT_BUCKETS, registry=r)
@@ -142,10 +142,6 @@ class ServerMetrics:
                 self.rejected.labels(endpoint, reason)
             for counter in (self.prompt_tokens, self.cached_tokens, self.completion_tokens):
                 counter.labels(endpoint)
-
-    def start(self, endpoint: str) -> RequestTimer:
-        """A timer for a request to ``endpoint`` (``completions`` or ``chat``) arriving now."""
-        return RequestTimer(endpoint)
 
     def _observe_ttft(self, timer: RequestTimer) -> None:
         if timer.first_token is not None:
