@@ -382,3 +382,22 @@ def test_serve_interrupted_while_loading_exits_130_at_once(runner, monkeypatch):
     res = invoke(runner, ["serve", "--port", str(port)])
     assert exits == [130] and res.exit_code == 130, res.output
     assert "interrupted while loading the model" in res.output and "Traceback" not in res.output
+
+
+def test_generate_logprobs(runner, chain_dir):
+    """``--logprobs N``: per text token its id, text, log-probability and N alternatives (the
+    EOS that ends the chain's answer gets none); the table in text mode; a bad value names the
+    flag before anything loads."""
+    data = json_out(invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--json",
+                                    "--logprobs", "2"]))
+    entries = data["logprobs"][0]
+    assert data["finish_reasons"] == ["eos"] and [e["token"] for e in entries] == data["token_ids"][0][:-1]
+    assert "".join(e["text"] for e in entries) == data["texts"][0] == TARGET
+    assert all(len(e["top"]) == 2 and e["top"][0]["token"] == e["token"] for e in entries)  # greedy: the top one
+    assert all(e["logprob"] >= e["top"][1]["logprob"] for e in entries)
+    res = invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--logprobs", "0"])
+    assert res.exit_code == 0, res.output
+    assert "log-probabilities" in res.stdout and "Eagle" in res.stdout
+    res = invoke(runner, ["generate", "x", "--model", str(chain_dir), "--logprobs", "21"])
+    assert res.exit_code != 0 and "--logprobs must be an integer in [0, 20]" in res.output
+    assert "Traceback" not in res.output and "Loading" not in res.output

@@ -210,11 +210,10 @@ def test_developer_role_is_kept_for_a_template_that_knows_it():
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        ("/v1/completions", "logprobs", 1), ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
+        ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
         ("/v1/completions", "suffix", "end"), ("/v1/completions", "logit_bias", {"5": 10}),
         ("/v1/completions", "frequency_penalty", 0.5), ("/v1/completions", "presence_penalty", -1),
         ("/v1/completions", "echo", 0),  # a number is not false
-        ("/v1/chat/completions", "logprobs", True), ("/v1/chat/completions", "top_logprobs", 2),
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "tool_choice", "required"),
         ("/v1/chat/completions", "response_format", {"type": "json_object"}),
@@ -445,8 +444,16 @@ def test_real_server_with_the_openai_client(served_bos, bos_sk):
         client.chat.completions.create(model="tiny", messages=MSGS, seed=2**70)
     assert e.value.body["param"] == "seed"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=MSGS, logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+        client.chat.completions.create(model="tiny", messages=MSGS, top_logprobs=2)  # without logprobs
+    assert e.value.body["param"] == "top_logprobs"
+    # log-probabilities through the official client's own types: one entry per token of the text
+    lp = client.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=4, logprobs=True,
+                                        top_logprobs=2)
+    entries = lp.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == lp.choices[0].message.content == want.texts[0]
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in entries)
+    comp = client.completions.create(model="tiny", prompt=text_ids, max_tokens=4, logprobs=1)
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
 
 
 def test_cli_names_a_seed_out_of_range():

@@ -192,6 +192,49 @@ def test_32_concurrent_requests_with_mixed_speedups_get_their_solo_answers(serve
     assert len({a.json()["id"] for a in answers}) == 32
 
 
+def test_concurrent_streams_with_logprobs_match_their_solo_requests(server):
+    """12 streamed requests with log-probabilities (mixed speedups) among 12 without, all at once:
+    each gets one entry per token, the same tokens and (1e-4) values as the same request alone,
+    and a request without them gets none (a row's log-probabilities do not depend on its
+    neighbours in the batch)."""
+    import json
+
+    speedups = [1.0, 2.0, 3.0]
+
+    def body(i: int, stream: bool) -> dict:
+        return {"prompt": f"The Eagle {i} is a", "max_tokens": 8, "ignore_eos": True, "stream": stream,
+                "speedup": speedups[i % 3], **({"logprobs": 2} if i % 2 == 0 else {})}
+
+    async def streamed(c, i):
+        entries, chunks = [], 0
+        async with c.stream("POST", "/v1/completions", json=body(i, True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = (json.loads(line[6:])["choices"] or [{}])[0]
+                    chunks += 1
+                    lp = choice.get("logprobs")
+                    if lp:
+                        entries += list(zip(lp["tokens"], lp["token_logprobs"]))
+        return entries, chunks
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            together = await asyncio.gather(*(streamed(c, i) for i in range(24)))
+            alone = [(await c.post("/v1/completions", json=body(i, False))).json() for i in range(0, 24, 2)]
+        return together, alone
+
+    together, alone = run(scenario(), 120)
+    for i in range(24):
+        entries, chunks = together[i]
+        assert chunks >= 2  # streamed: text events, then the finish
+        if i % 2:
+            assert entries == []
+            continue
+        lp = alone[i // 2]["choices"][0]["logprobs"]
+        assert [t for t, _ in entries] == lp["tokens"] and entries  # EOS ids (ignore_eos) have no entry
+        assert [v for _, v in entries] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+
+
 def test_disconnect_mid_stream_frees_the_only_slot(serial_server):
     async def scenario():
         async with httpx.AsyncClient(base_url=serial_server, timeout=30) as c:

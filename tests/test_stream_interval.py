@@ -93,9 +93,9 @@ def test_each_row_of_a_request_gets_its_own_groups_and_its_own_text():
         assert all(r == row for g in mine for r, _ in g)
         assert [[s for _, s in g] for g in mine] == [[0], [1, 2, 3], [4, 5, 6]]
     for row in (0, 1):
-        text = "".join(delta for group in read for i, delta, _ in group if i == row)
+        text = "".join(delta for group in read for i, delta, _, _ in group if i == row)
         assert text == "".join(pieces)
-        assert [fin for group in read for i, _, fin in group if i == row][-1] is True
+        assert [fin for group in read for i, _, fin, _ in group if i == row][-1] is True
 
 
 def test_held_tokens_are_read_before_an_engine_failure():
@@ -116,8 +116,8 @@ def test_held_tokens_are_read_before_an_engine_failure():
         return first, second, pieces, sub.finished
 
     first, second, pieces, finished = asyncio.run(scenario())
-    assert first == [(0, pieces[0], False)]
-    assert second == [(0, pieces[1] + pieces[2], False)]  # held tokens 1-2 arrive with the failure
+    assert first == [(0, pieces[0], False, [])]
+    assert second == [(0, pieces[1] + pieces[2], False, [])]  # held tokens 1-2 arrive with the failure
     assert finished  # the request is over: the scheduler dropped its rows
 
 

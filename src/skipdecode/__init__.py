@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .adapters import UnsupportedArchitectureError, get_adapter, supported_model_types
 from .generate import GenerationResult, StreamChunk, generate, generate_step, stream_generate
 from .loading import DEFAULT_MODEL, LoadError, load
+from .logprobs import TokenLogprobs
 from .model import SkipModel
 from .policy import FullPolicy, LinearDecayPolicy, SkipPolicy, for_speedup, policy_from_dict
 from .sampling import SamplingParams
@@ -19,6 +20,7 @@ __all__ = [
     "SkipModel",
     "SkipPolicy",
     "StreamChunk",
+    "TokenLogprobs",
     "UnsupportedArchitectureError",
     "for_speedup",
     "generate",

@@ -14,6 +14,7 @@ import typer
 from rich.markup import escape
 
 from .jsonio import dumps
+from .logprobs import check_logprobs, logprobs_record
 
 app = typer.Typer(
     help="SkipDecode (arXiv 2307.02628): batch- and KV-cache-compatible layer skipping for fast decoding.",
@@ -38,6 +39,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     fail,
     load_model,
     out,
+    print_logprobs,
     read_prompts_file,
     resolve_policy,
     sampling_from_options,
@@ -81,6 +83,7 @@ def generate(
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
     cohort_size: int = typer.Option(1, "--cohort-size", help="Several prompts: " + COHORT_HELP.format(what="prompts")),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Several prompts: " + PREFIX_CACHE_HELP),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Also print each token's log-probability (under the layers that ran for it) and this many alternatives (0-20)."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
@@ -93,6 +96,10 @@ def generate(
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
     check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    try:
+        check_logprobs(logprobs, "--logprobs")
+    except ValueError as e:
+        fail(str(e))
     sk = load_model(model, device, dtype, chat, quantize, compile, adapter=not no_adapter)
     policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, chat, quantize, compile))
@@ -105,14 +112,14 @@ def generate(
             sk.adapter, sk.tokenizer, all_prompts, policy=policy, sampling=sampling,
             max_new_tokens=max_new_tokens, stop=stop, chat=sk.chat, on_chunk=show,
             max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
-            prefix_cache=prefix_cache,
+            prefix_cache=prefix_cache, logprobs=logprobs,
         )
     except ValueError as e:
         fail(str(e))
     finally:
         if live is not None:
             live.stop()
-    _print_generation(result, single, as_json)
+    _print_generation(result, single, as_json, sk.tokenizer)
 
 
 def _collect_prompts(prompts: Optional[List[str]], prompts_file: Optional[Path]) -> List[str]:
@@ -159,19 +166,25 @@ def _stream_view(num_layers: int, n_rows: int, single: bool, as_json: bool):
     return show, live
 
 
-def _print_generation(result, single: bool, as_json: bool) -> None:
-    """Print ``generate``'s result: one JSON object, or the texts (a batch's) and the statistics line."""
+def _print_generation(result, single: bool, as_json: bool, tokenizer) -> None:
+    """Print ``generate``'s result: one JSON object, or the texts (a batch's), the log-probabilities
+    when asked (a table per prompt) and the statistics line."""
     from rich.text import Text
 
     if as_json:
-        print(dumps({"texts": result.texts, "finish_reasons": result.finish_reasons,
-                          "token_ids": result.token_ids, "stats": result.stats()}))
+        record = {"texts": result.texts, "finish_reasons": result.finish_reasons,
+                  "token_ids": result.token_ids, "stats": result.stats()}
+        if result.logprobs is not None:
+            record["logprobs"] = [logprobs_record(entries, tokenizer) for entries in result.logprobs]
+        print(dumps(record))
         return
     out.print()
     if not single:
         out.rule("results")
         for i, text in enumerate(result.texts):
             out.print(Text.assemble((f"[{i}] ", "bold"), f"({result.finish_reasons[i]}) {text}"), highlight=False)
+    if result.logprobs is not None:
+        print_logprobs(result.logprobs, tokenizer)
     s = result.stats()
     err.print(
         f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached) | "

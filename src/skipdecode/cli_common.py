@@ -308,3 +308,20 @@ def command_line(ctx: typer.Context) -> str:
 MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
 NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the embedded SmolLM2-135M-Instruct "
                    "has a 2x one, merged by default): run the stock weights.")
+
+
+def print_logprobs(rows: list, tokenizer) -> None:
+    """One table per prompt of ``rows`` (per prompt, its :class:`~skipdecode.logprobs.TokenLogprobs`):
+    each token's text, log-probability, probability and alternatives (``generate --logprobs``)."""
+    import math
+
+    from rich.table import Table
+
+    for i, entries in enumerate(rows):
+        table = Table(title=f"[{i}] log-probabilities", title_justify="left")
+        for col in ("token", "logprob", "p", "alternatives"):
+            table.add_column(col, justify="right" if col in ("logprob", "p") else "left")
+        for e in entries:
+            alts = "  ".join(f"{tokenizer.decode([t])!r} {lp:.2f}" for t, lp in e.top)
+            table.add_row(repr(tokenizer.decode([e.token])), f"{e.logprob:.3f}", f"{math.exp(e.logprob):.3f}", alts)
+        out.print(table)

@@ -14,7 +14,7 @@ Sampling draws each row with its own :class:`~skipdecode.sampling.Sampler` (own 
 the request's seed), so a request's tokens never depend on its neighbours.
 
 The engine is synchronous and not thread-safe; :mod:`skipdecode.scheduler` runs it in a thread
-for the server, and :func:`generate_inflight` runs it on the caller's thread for many prompts.
+for the server, and :func:`skipdecode.inflight.generate_inflight` runs it on the caller's thread for many prompts.
 """
 
 from __future__ import annotations
@@ -32,13 +32,12 @@ from .admission import check_align_steps, may_join
 from .cache import SkipCache, SlotCache
 from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
-from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
-from .limits import check_stop
+from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import FullPolicy, SkipPolicy, check_policy
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["Request", "Row", "TokenEvent", "Engine", "generate_inflight", "length_buckets", "mean_batch_rows"]
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "length_buckets", "mean_batch_rows"]
 
 
 @dataclass(eq=False)
@@ -54,6 +53,9 @@ class Request:
         stop_fn: ``stop_fn(generated_ids) -> bool`` after each token (e.g. stop strings); True ends
             the row with reason "stop".
         tag: anything the caller wants back on the events (e.g. a request id and row index).
+        logprobs: None (default) for none; n >= 0 (at most
+            :data:`~skipdecode.logprobs.MAX_LOGPROBS`) to attach to each token's event its
+            log-probability and the n most likely alternatives (:mod:`skipdecode.logprobs`).
     """
 
     prompt_ids: Sequence[int]
@@ -63,6 +65,7 @@ class Request:
     eos_token_ids: Sequence[int] = ()
     stop_fn: Callable[[list[int]], bool] | None = None
     tag: Any = None
+    logprobs: int | None = None
 
 
 @dataclass(eq=False)
@@ -124,6 +127,8 @@ class TokenEvent:
         num_layers_run: layers run to produce it (all at step 0).
         finished: the row ended with this token; ``row.reason`` says why.
         logits: (V,) logits it was drawn from, when the engine keeps them (``keep_logits``), else None.
+        logprobs: its :class:`~skipdecode.logprobs.TokenLogprobs` when the request asked
+            (``Request.logprobs``), else None.
     """
 
     row: Row
@@ -132,6 +137,7 @@ class TokenEvent:
     num_layers_run: int
     finished: bool
     logits: torch.Tensor | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class Engine:
@@ -196,8 +202,9 @@ class Engine:
     def check(self, request: Request) -> None:
         """Raise ValueError (naming the field) if ``request`` cannot run on this model: an empty
         prompt, ``max_new_tokens`` < 1, prompt + ``max_new_tokens`` beyond the context
-        (``max_positions``), or a ``policy`` that is not None or a policy object or is for another
-        layer count (:func:`skipdecode.policy.check_policy`)."""
+        (``max_positions``), a ``policy`` that is not None or a policy object or is for another
+        layer count (:func:`skipdecode.policy.check_policy`), or ``logprobs`` that is not None or
+        an integer in [0, :data:`~skipdecode.logprobs.MAX_LOGPROBS`]."""
         n = request.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
@@ -206,6 +213,7 @@ class Engine:
             raise ValueError("prompts: a prompt must hold at least one token")
         self.adapter.check_context(P, n)  # P + n - 1 positions: the last token is never fed back
         check_policy(request.policy, self.adapter.num_layers)
+        check_logprobs(request.logprobs)
 
     def submit(self, request: Request) -> None:
         """Queue ``request``; it joins at a later :meth:`step` when a slot is free.
@@ -397,6 +405,7 @@ class Engine:
     def _emit(self, rows: list[Row], logits: torch.Tensor, counts: list[int], start: float) -> list[TokenEvent]:
         """Sample one token per row from ``logits`` (B, V), record it, end rows that are done."""
         tokens = self._sample(rows, logits)
+        logprobs = requested_logprobs([r.request.logprobs for r in rows], logits, tokens)
         events = []
         for i, (row, token) in enumerate(zip(rows, tokens)):
             row.tokens.append(token)
@@ -408,7 +417,7 @@ class Engine:
             elif len(row.tokens) >= req.max_new_tokens:
                 row.finished, row.reason = True, "length"
             kept = logits[i].detach().clone() if self.keep_logits else None
-            events.append(TokenEvent(row, row.step, token, counts[i], row.finished, kept))
+            events.append(TokenEvent(row, row.step, token, counts[i], row.finished, kept, logprobs.get(i)))
         seconds = time.perf_counter() - start
         for row in rows:
             if row.step > 0:
@@ -487,94 +496,3 @@ def length_buckets(lengths: Sequence[int], call_tokens: int = PREFILL_CALL_TOKEN
         buckets.append(order[cut[j]:j])
         j = cut[j]
     return buckets[::-1]
-
-
-def generate_inflight(
-    adapter: Adapter,
-    tokenizer,
-    prompts: Sequence[str],
-    *,
-    policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
-    max_new_tokens: int = 64,
-    stop: Sequence[str] = (),
-    chat: bool = False,
-    eos_token_ids: Sequence[int] | None = None,
-    on_chunk: Callable[[StreamChunk], None] | None = None,
-    max_batch_size: int = 32,
-    cohort_size: int = 1,
-    prefix_cache: bool | int = True,
-) -> GenerationResult:
-    """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
-    is a row with its own decode step; at most ``max_batch_size`` rows decode at once, and waiting
-    prompts join in cohorts of at least ``cohort_size`` rows; ``prefix_cache`` as in
-    :class:`Engine` (prompts sharing a prefix reuse its K/V; texts unchanged).
-
-    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
-    and in decode steps; ``layers_run`` holds one entry per row per decode step, and
-    ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
-    run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
-    :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
-    a token, ``active_layers`` the largest plan run in it).
-
-    Raises:
-        ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
-            (before anything runs); ``max_batch_size`` < 1; ``cohort_size`` outside
-            [1, ``max_batch_size``]; a bad ``prefix_cache``; ``stop`` as in
-            :func:`skipdecode.limits.check_stop`; ``policy`` as in :meth:`Engine.check`.
-    """
-    stop = check_stop(stop)
-    policy = check_policy(policy, adapter.num_layers)
-    device = next(adapter.model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, prompts, chat=chat)
-    if eos_token_ids is None:
-        eos_token_ids = _eos_ids(tokenizer, adapter.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
-    texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
-    engine = Engine(adapter, max_batch_size, cohort_size=cohort_size, prefix_cache=prefix_cache)
-    requests = [
-        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
-                texts[i].stopped if texts[i].stop else None, tag=i)
-        for i in range(len(prompts))
-    ]
-    for r in requests:
-        engine.check(r)
-    for r in requests:
-        engine.submit(r)
-    layers_run: list[int] = []
-    finished = [False] * len(prompts)
-    cached = [0] * len(prompts)
-    done_rows: list[Row] = []
-    while engine.busy:
-        events = engine.step()
-        deltas = [""] * len(prompts)
-        column = torch.full((len(prompts),), pad, dtype=torch.long)
-        for ev in events:
-            i = ev.row.request.tag
-            cached[i] = ev.row.cached_prompt_tokens
-            deltas[i] = texts[i].push(ev.token, ev.finished)
-            column[i] = ev.token
-            finished[i] = ev.finished
-            if ev.finished:
-                done_rows.append(ev.row)
-            if ev.step > 0:
-                layers_run.append(ev.num_layers_run)
-        if on_chunk is not None and events:
-            widest = max(ev.num_layers_run for ev in events)
-            on_chunk(StreamChunk(engine.steps - 1, column.to(device), deltas, tuple(range(widest)), list(finished)))
-    return GenerationResult(
-        texts=[t.text for t in texts],
-        token_ids=[t.ids for t in texts],
-        finish_reasons=[t.reason for t in texts],
-        prompt_tokens=[len(r.prompt_ids) for r in requests],
-        new_tokens=[len(t.ids) for t in texts],
-        prefill_seconds=engine.prefill_seconds,
-        decode_seconds=engine.decode_seconds,
-        decode_steps=len(layers_run),
-        layers_run=layers_run,
-        num_layers=adapter.num_layers,
-        batch_size=min(max_batch_size, len(prompts)),
-        policy=policy.to_dict(),
-        cached_prompt_tokens=cached,
-        mean_batch_rows=mean_batch_rows(done_rows),
-    )

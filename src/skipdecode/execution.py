@@ -16,6 +16,7 @@ from typing import Any
 
 from .engine import Request, Row, TokenEvent, mean_batch_rows
 from .generate import GenerationResult, RowText, _eos_ids
+from .logprobs import TokenLogprobs
 from .model import SkipModel
 from .scheduler import Scheduler
 
@@ -47,6 +48,7 @@ class Submission:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.failed = False
         self._held: list[list[TokenEvent]] = [[] for _ in requests]  # engine thread only: per row, not sent yet
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in requests]  # per row, its text's tokens so far
 
     def _sink(self, event: TokenEvent | BaseException) -> None:
         """Engine thread: hold ``event`` or send its row's group (class docstring)."""
@@ -72,9 +74,11 @@ class Submission:
         """True when every row has ended (or the engine failed while they ran)."""
         return self.failed or all(r is not None for r in self.rows)
 
-    async def next(self, timeout: float | None = None) -> list[tuple[int, str, bool]]:
+    async def next(self, timeout: float | None = None) -> list[tuple[int, str, bool, list[TokenLogprobs]]]:
         """The next group of one row's tokens (class docstring), as a one-entry list
-        ``[(row index, text delta, row finished)]``, the delta being its tokens' text joined.
+        ``[(row index, text delta, row finished, log-probabilities)]``, the delta being its
+        tokens' text joined and the log-probabilities those of its tokens that belong to the text
+        (EOS left out; empty unless the request asked, ``Request.logprobs``).
 
         Raises:
             asyncio.TimeoutError: nothing within ``timeout`` seconds.
@@ -87,9 +91,11 @@ class Submission:
             raise item
         i, last = item[0].row.request.tag, item[-1]
         delta = "".join(self.texts[i].push(ev.token, ev.finished) for ev in item)
+        entries = [ev.logprobs for ev in item if ev.logprobs is not None and ev.token not in self.texts[i].eos]
+        self.logprobs[i] += entries
         if last.finished:
             self.rows[i] = last.row
-        return [(i, delta, last.finished)]
+        return [(i, delta, last.finished, entries)]
 
     def cancel(self) -> None:
         """Drop the rows that have not ended; they leave the batch at the next engine step."""
@@ -121,6 +127,7 @@ class Submission:
             policy=self.job.policy.to_dict(),
             cached_prompt_tokens=[r.cached_prompt_tokens for r in rows],
             mean_batch_rows=mean_batch_rows(rows),
+            logprobs=self.logprobs if self.job.logprobs is not None else None,
         )
 
 
@@ -136,8 +143,8 @@ class Executor:
 
     def submit(self, job: Any) -> Submission:
         """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
-        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``); call it on the
-        event loop.
+        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``, ``logprobs``); call
+        it on the event loop.
 
         Raises:
             ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
@@ -149,7 +156,7 @@ class Executor:
         ends = () if job.ignore_eos else tuple(self.eos_token_ids)
         reqs = [
             Request(list(ids), job.max_new_tokens, job.policy, job.sampling, ends,
-                    texts[i].stopped if texts[i].stop else None, tag=i)
+                    texts[i].stopped if texts[i].stop else None, tag=i, logprobs=job.logprobs)
             for i, ids in enumerate(job.prompts)
         ]
         sub = Submission(self.scheduler, reqs, texts, job, self.stream_interval)

@@ -20,8 +20,10 @@ from .cache import SkipCache
 from .lowrank import base_prefill
 from .forward import skip_forward
 from .limits import check_stop
+from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import SkipPolicy, check_policy, theoretical_speedup
 from .prompts import Prompt, encode_prompt
+from .row_text import RowText  # noqa: F401  (part of this module's API, as before)
 from .sampling import Sampler, SamplingParams
 
 __all__ = [
@@ -196,6 +198,9 @@ class StreamChunk:
         deltas: new text per row at this step ("" for rows that emitted nothing visible).
         active_layers: layers run at this step.
         finished: per-row finished flags after this step.
+        logprobs: when the run asked (``logprobs``), per row the
+            :class:`~skipdecode.logprobs.TokenLogprobs` of this step's token (None for a row
+            without one, or whose token is an EOS left out of the text); else None.
     """
 
     step: int
@@ -203,6 +208,7 @@ class StreamChunk:
     deltas: list[str]
     active_layers: tuple[int, ...]
     finished: list[bool]
+    logprobs: list | None = None
 
 
 @dataclass
@@ -227,6 +233,9 @@ class GenerationResult:
         mean_batch_rows: in-flight runs, the mean number of rows (of every request in the engine)
             that shared this run's decode steps (rows per step; None: a static batch, where it
             is ``batch_size``).
+        logprobs: per prompt, a :class:`~skipdecode.logprobs.TokenLogprobs` for each token of its
+            text (EOS left out) when the run asked for log-probabilities (the server's
+            ``logprobs``), else None.
     """
 
     texts: list[str]
@@ -243,6 +252,7 @@ class GenerationResult:
     policy: dict = field(default_factory=dict)
     cached_prompt_tokens: list[int] = field(default_factory=list)
     mean_batch_rows: float | None = None
+    logprobs: list[list] | None = None
 
     @classmethod
     def from_record(cls, record: dict, num_layers: int, policy: SkipPolicy) -> "GenerationResult":
@@ -266,6 +276,7 @@ class GenerationResult:
             num_layers=num_layers,
             batch_size=record["batch_size"],
             policy=policy.to_dict(),
+            logprobs=record.get("logprobs"),
         )
 
     @property
@@ -361,78 +372,13 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-class RowText:
-    """The text of one generated row, built token by token, and the deltas to stream.
-
-    Args:
-        tokenizer: the model's HF tokenizer (decodes with ``skip_special_tokens``).
-        eos_token_ids: ids that end the row (left out of the text).
-        stop: stop strings; the text is cut before the first one found.
-        ends_at_eos: False when EOS does not end the row (a request's ``ignore_eos``): EOS ids are
-            still left out of the text, but pushing one does not make the reason "eos".
-
-    Attributes:
-        ids: generated ids so far (a final EOS included).
-        text: the row's text so far (EOS left out, cut at a stop string).
-        reason: "length", "eos" (an EOS id was pushed and ends the row) or "stop" (:meth:`stopped`
-            found one).
-    """
-
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = (),
-                 ends_at_eos: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.eos = set(eos_token_ids)
-        self.ends_at_eos = ends_at_eos
-        self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.text = ""
-        self.printed = ""
-        self.reason = "length"
-
-    def stopped(self, ids: Sequence[int]) -> bool:
-        """True (and reason "stop") when the text of ``ids`` contains a stop string."""
-        if not self.stop:
-            return False
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
-        if any(s in text for s in self.stop):
-            self.reason = "stop"
-            return True
-        return False
-
-    def push(self, token: int, final: bool) -> str:
-        """Add generated ``token``; ``final`` when the row ends with it. Returns the new text to
-        stream ("" when nothing visible is new)."""
-        self.ids.append(token)
-        if token in self.eos and self.ends_at_eos:
-            self.reason = "eos"
-        text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
-        if self.reason == "stop":
-            cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
-            text = text[:cut]
-        self.text = text
-        # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
-        # row's next token completes it or the row ends, so deltas never need rewriting.
-        shown = text if final else text.rstrip("\ufffd")
-        if not final:
-            # Likewise hold back a tail that may begin a stop string: it is cut if the stop
-            # string completes on a later token, and a streamed delta cannot be taken back.
-            shown = shown[: len(shown) - _partial_stop_len(shown, self.stop)]
-        if shown.startswith(self.printed) and len(shown) > len(self.printed):
-            delta = shown[len(self.printed) :]
-            self.printed = shown
-            return delta
-        return ""
+def _step_logprobs(rows: list[RowText], logits: torch.Tensor, column: list[int], emitted: list[bool],
+                   top_n: int) -> list[TokenLogprobs | None]:
+    """Per row, the :class:`~skipdecode.logprobs.TokenLogprobs` of its token in ``column`` under
+    ``logits`` (B, V), for rows that emitted one that belongs to the text (not an EOS id)."""
+    wanted = [top_n if emitted[r] and column[r] not in rows[r].eos else None for r in range(len(rows))]
+    got = requested_logprobs(wanted, logits, column)
+    return [got.get(r) for r in range(len(rows))]
 
 
 def stream_generate(
@@ -446,6 +392,7 @@ def stream_generate(
     stop: Sequence[str] | str = (),
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
+    logprobs: int | None = None,
     _record: dict | None = None,
 ) -> Iterator[StreamChunk]:
     """Stream text deltas for a batch of ``prompts`` (one :class:`StreamChunk` per step).
@@ -458,12 +405,17 @@ def stream_generate(
             a row stops when its text contains one (the text is cut before it).
         chat: apply the tokenizer's chat template.
         eos_token_ids: override of the EOS ids (default: tokenizer's and generation config's).
+        logprobs: None (default), or n in [0, 20]: each chunk's ``logprobs`` holds every row's
+            token log-probability and its n most likely alternatives, and the run's
+            :class:`GenerationResult` ``logprobs`` those of each row's text (:mod:`skipdecode.logprobs`).
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``stop`` holds more
-            than 4 strings, an empty one or a non-string (the message starts with ``stop``).
+            than 4 strings, an empty one or a non-string (the message starts with ``stop``);
+            ``logprobs`` not None or an integer in [0, 20].
     """
     stop = check_stop(stop)
+    check_logprobs(logprobs)
     device = next(adapter.model.parameters()).device
     input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, device=device)
     if eos_token_ids is None:
@@ -487,7 +439,8 @@ def stream_generate(
         stop_fn=stop_fn if stop else None,
     )
     record = _record if _record is not None else {}
-    record.update(prefill_seconds=0.0, decode_seconds=0.0, layers_run=[], decode_steps=0)
+    record.update(prefill_seconds=0.0, decode_seconds=0.0, layers_run=[], decode_steps=0,
+                  logprobs=None if logprobs is None else [[] for _ in range(B)])
     for out in steps:
         if out.step == 0:
             record["prefill_seconds"] = out.seconds
@@ -503,7 +456,12 @@ def stream_generate(
             if emitted[row]:
                 final = finished_now[row] or out.step == max_new_tokens - 1
                 deltas[row] = rows[row].push(column[row], final)
-        yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist())
+        step_logprobs = None if logprobs is None else _step_logprobs(rows, out.logits, column, emitted, logprobs)
+        if step_logprobs is not None:
+            for row, entry in enumerate(step_logprobs):
+                if entry is not None:
+                    record["logprobs"][row].append(entry)
+        yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist(), step_logprobs)
     record.update(
         texts=[r.text for r in rows],
         token_ids=[r.ids for r in rows],
@@ -528,34 +486,37 @@ def generate(
     max_batch_size: int | None = None,
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
+    logprobs: int | None = None,
 ) -> GenerationResult:
     """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
 
     Arguments as in :func:`stream_generate`; ``on_chunk`` is called with each streamed chunk.
     ``max_batch_size`` (rows) switches from one static batch to in-flight batching
-    (:func:`skipdecode.engine.generate_inflight`): at most that many rows decode at once and a finished row's slot
+    (:func:`skipdecode.inflight.generate_inflight`): at most that many rows decode at once and a finished row's slot
     goes to the next prompt at once, so a long row no longer holds the others; ``cohort_size``
     (in-flight only) makes waiting prompts join in groups of at least that many and
     ``prefix_cache`` (in-flight only) reuses the K/V of prompt prefixes the prompts share
     (:class:`skipdecode.engine.Engine`). Greedy texts are the same either way; seeded samples too
-    (one generator per row).
+    (one generator per row). ``logprobs`` n (0-20) fills the result's ``logprobs``: each text
+    token's log-probability and its n most likely alternatives (:mod:`skipdecode.logprobs`).
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
-            ``stop`` as in :func:`stream_generate` and ``policy`` as in :func:`generate_step`
-            (both checked before anything runs).
+            ``stop`` and ``logprobs`` as in :func:`stream_generate` and ``policy`` as in
+            :func:`generate_step` (all checked before anything runs).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     stop = check_stop(stop)
     policy = check_policy(policy, adapter.num_layers)
+    check_logprobs(logprobs)
     if max_batch_size is not None:
-        from .engine import generate_inflight
+        from .inflight import generate_inflight
 
         return generate_inflight(
             adapter, tokenizer, prompts, policy=policy, sampling=sampling, max_new_tokens=max_new_tokens,
             stop=stop, chat=chat, eos_token_ids=eos_token_ids, on_chunk=on_chunk, max_batch_size=max_batch_size,
-            cohort_size=cohort_size, prefix_cache=prefix_cache,
+            cohort_size=cohort_size, prefix_cache=prefix_cache, logprobs=logprobs,
         )
     record: dict = {}
     for chunk in stream_generate(
@@ -568,6 +529,7 @@ def generate(
         stop=stop,
         chat=chat,
         eos_token_ids=eos_token_ids,
+        logprobs=logprobs,
         _record=record,
     ):
         if on_chunk is not None:

@@ -12,6 +12,7 @@ from .adapters import get_adapter
 from .generate import GenerationResult, StreamChunk, generate, stream_generate
 from .jsonio import dump
 from .limits import check_stop
+from .logprobs import check_logprobs
 from .skip_config import weight_checksums
 from .policy import SkipPolicy, check_policy, for_speedup, with_full_depth_steps
 from .prompts import Prompt
@@ -238,13 +239,17 @@ class SkipModel:
         max_batch_size: int | None = None,
         cohort_size: int = 1,
         prefix_cache: bool | int = True,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
         prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
         token ids, encoded by :func:`skipdecode.prompts.encode_prompt`. ``max_batch_size`` (rows)
         runs the prompts with in-flight batching, waiting prompts joining in cohorts of at least
         ``cohort_size`` rows and, with ``prefix_cache`` (default on), reusing the K/V of prompt
-        prefixes they share (:class:`skipdecode.engine.Engine`).
+        prefixes they share (:class:`skipdecode.engine.Engine`). ``logprobs`` n (0-20) fills the
+        result's ``logprobs`` (per prompt, a :class:`~skipdecode.logprobs.TokenLogprobs` per text
+        token: its log-probability under the layers that ran for it and its n most likely
+        alternatives, as vLLM's ``SamplingParams(logprobs=n)``).
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field), among them a ``policy`` that is not
@@ -259,6 +264,7 @@ class SkipModel:
             max_batch_size=max_batch_size,
             cohort_size=cohort_size,
             prefix_cache=prefix_cache,
+            logprobs=logprobs,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
         )
 
@@ -274,21 +280,27 @@ class SkipModel:
         seed: int | None = None,
         stop: Sequence[str] | str = (),
         chat: bool | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`).
 
+        ``logprobs`` n (0-20): each chunk's ``logprobs`` (:class:`StreamChunk`).
+
         Raises ValueError at once (not at the first step) for a bad ``stop``
-        (:func:`skipdecode.limits.check_stop`) or ``policy`` (:func:`skipdecode.policy.check_policy`);
-        other bad arguments when iteration starts."""
+        (:func:`skipdecode.limits.check_stop`), ``policy`` (:func:`skipdecode.policy.check_policy`)
+        or ``logprobs`` (:func:`skipdecode.logprobs.check_logprobs`); other bad arguments when
+        iteration starts."""
         if isinstance(prompts, str):
             prompts = [prompts]
         stop = check_stop(stop)
+        check_logprobs(logprobs)
         return stream_generate(
             self.adapter,
             self.tokenizer,
             prompts,
             max_new_tokens=max_new_tokens,
             stop=stop,
+            logprobs=logprobs,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
         )
 

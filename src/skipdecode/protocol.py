@@ -9,7 +9,8 @@ checks that every field of those types is handled here. Each field of a request 
   ``user``, ``assistant``; content a string or a list of text parts), ``max_tokens``,
   ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``
   (a string or up to 4 non-empty strings),
-  ``stream``, ``stream_options.include_usage``, ``n`` (only 1);
+  ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``logprobs`` (completions: 0..20
+  alternatives; chat: true/false, with ``top_logprobs`` 0..20; :mod:`skipdecode.logprobs`);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
   ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, and ``ignore_eos`` (vLLM's
   extension of the same name: EOS does not end a row, so it runs to ``max_tokens`` or a stop
@@ -17,8 +18,8 @@ checks that every field of those types is handled here. Each field of a request 
 - **ignored**, because it cannot change the answer: ``user``, ``metadata``,
   ``safety_identifier``, the prompt-cache hints, ``parallel_tool_calls`` (no tools here);
 - **unsupported**: accepted only with a value that does not ask for the feature (null, or its
-  neutral value such as ``frequency_penalty: 0`` or ``logprobs: false``); any other value
-  answers HTTP 400 naming the field (``logprobs``, ``echo``, ``best_of``, ``tools``,
+  neutral value such as ``frequency_penalty: 0`` or ``echo: false``); any other value
+  answers HTTP 400 naming the field (``echo``, ``best_of``, ``tools``,
   ``response_format``, ``logit_bias``, ...), never a silent default.
 
 A field that is none of these answers 400 naming it, as OpenAI does ("Unrecognized request
@@ -38,6 +39,7 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from .limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
+from .logprobs import MAX_LOGPROBS
 from .policy import SkipPolicy
 from .prompts import encode_prompt
 from .sampling import SamplingParams
@@ -121,10 +123,10 @@ _PENALTIES = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "lo
 #: the feature (accepted); any other value answers 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, dict[str, tuple]] = {
     "completion": {
-        **_PENALTIES, "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
+        **_PENALTIES, "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     },
     "chat": {
-        **_PENALTIES, "logprobs": (None, False), "top_logprobs": (None, 0), "audio": (None,),
+        **_PENALTIES, "audio": (None,),
         "modalities": (None, ["text"]), "tools": (None, []), "tool_choice": (None, "none", "auto"),
         "functions": (None, []), "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
         "prediction": (None,), "reasoning_effort": (None, "none"), "verbosity": (None,),
@@ -223,9 +225,13 @@ class CommonFields(SkipFields):
 
 class CompletionRequest(CommonFields):
     """``POST /v1/completions`` body: ``prompt`` is a string, a list of strings (one batch row
-    each), a list of token ids, or a list of token-id lists."""
+    each), a list of token ids, or a list of token-id lists; ``logprobs`` n (0 to
+    :data:`~skipdecode.logprobs.MAX_LOGPROBS`) returns each token's log-probability and the n most
+    likely alternatives (:mod:`skipdecode.logprobs`)."""
 
     prompt: Union[StrictStr, List[StrictStr], List[StrictInt], List[List[StrictInt]]]
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS,
+                                          description="Log-probabilities of each token and this many alternatives.")
 
 
 class ContentPart(_Body):
@@ -249,10 +255,15 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(CommonFields):
     """``POST /v1/chat/completions`` body; ``max_completion_tokens`` is OpenAI's current name of
-    ``max_tokens`` (give one, or both equal)."""
+    ``max_tokens`` (give one, or both equal); ``logprobs: true`` returns each token's
+    log-probability and ``top_logprobs`` (0 to :data:`~skipdecode.logprobs.MAX_LOGPROBS`, only
+    with ``logprobs``) alternatives (:mod:`skipdecode.logprobs`)."""
 
     messages: List[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: Optional[StrictBool] = Field(None, description="Return each token's log-probability.")
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS,
+                                              description="Alternatives per token (needs logprobs).")
 
 
 FIELD_NAMES = frozenset(
@@ -325,6 +336,7 @@ class ValidRequest:
         include_usage: with ``stream``, a last chunk carries ``usage``.
         ignore_eos: generated EOS tokens do not end a row (it ends at ``max_new_tokens`` or a
             stop string).
+        logprobs: None for no log-probabilities, else the alternatives per token (0..20).
     """
 
     kind: str
@@ -336,6 +348,7 @@ class ValidRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    logprobs: Optional[int] = None
 
 
 def _first_field(message: str, fields: Sequence[str]) -> Optional[str]:
@@ -479,6 +492,16 @@ def _max_new_tokens(req: CommonFields, prompts: list[list[int]], context: Option
     return given
 
 
+def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[int]:
+    """The alternatives per token a request asks for (None: no log-probabilities). Chat's
+    ``top_logprobs`` above 0 needs ``logprobs: true`` (OpenAI answers 400 too)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs and not req.logprobs:
+        raise bad("top_logprobs", "needs logprobs set to true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model: Any, model_name: str) -> ValidRequest:
     """Check a parsed request in full and encode its prompts; nothing reaches the engine before.
 
@@ -492,7 +515,8 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
 
     Raises:
         APIError: 404 for a ``model`` other than ``model_name``; 400 with ``param`` the field for
-            an unsupported or unknown field, ``n`` > 1, ``stream_options`` without ``stream``, a
+            an unsupported or unknown field, ``n`` > 1, ``stream_options`` without ``stream``,
+            ``top_logprobs`` without ``logprobs``, a
             bad policy (values out of range for this model), bad sampling settings, more than
             :data:`~skipdecode.limits.MAX_STOP_STRINGS` or empty ``stop`` strings
             (:func:`~skipdecode.limits.check_stop`), a prompt that cannot be encoded, or a prompt
@@ -519,5 +543,5 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
         kind="chat" if chat else "text", prompts=prompts, policy=policy, sampling=sampling,
         max_new_tokens=max_new_tokens, stop=stop, stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options is not None and req.stream_options.include_usage),
-        ignore_eos=bool(req.ignore_eos),
+        ignore_eos=bool(req.ignore_eos), logprobs=_logprobs(req),
     )

@@ -43,6 +43,7 @@ from .admission import SERVE_ALIGN_STEPS
 from .execution import Executor, Submission
 from .generate import GenerationResult
 from .jsonio import dumps, json_safe
+from .logprobs import chat_logprobs, completion_logprobs, offset_from
 from .model import SkipModel
 from .protocol import (
     APIError,
@@ -270,12 +271,18 @@ class _Routes:
                 body["usage"] = use  # OpenAI: null on every chunk but the last
             return "data: " + dumps(body) + "\n\n"
 
-        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+        offsets = [0] * n  # per row, characters of the token strings sent (completions' text_offset)
+
+        def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False,
+                  entries: Optional[list] = None) -> str:
             if kind == "chat":
                 delta = {"role": "assistant"} if role else ({"content": text} if text else {})
                 choice = {"index": i, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish}
+            if entries:
+                choice["logprobs"] = self._logprobs(kind, entries, offsets[i])
+                offsets[i] += sum(len(t) for t in choice["logprobs"].get("tokens", ()))
             return sse([choice])
 
         try:
@@ -285,9 +292,9 @@ class _Routes:
             while not sub.finished:
                 items = await sub.next()
                 timer.token()
-                for i, delta, finished in items:
-                    if delta:
-                        yield event(i, delta)
+                for i, delta, finished, entries in items:
+                    if delta or entries:
+                        yield event(i, delta, entries=entries)
                     if finished:
                         yield event(i, finish=_reason(sub.texts[i].reason))
             result = sub.result(self.model.num_layers)
@@ -315,6 +322,14 @@ class _Routes:
             return Response(status_code=499)  # the client is gone
         return body(result)
 
+    def _logprobs(self, kind: str, entries: list, offset: int = 0) -> dict[str, Any]:
+        """A choice's (or chunk's) ``logprobs`` object in the endpoint's shape (``kind`` "chat" or
+        "text"; :mod:`skipdecode.logprobs`), completions' ``text_offset`` starting at ``offset``."""
+        tok = self.model.tokenizer
+        if kind == "chat":
+            return chat_logprobs(entries, tok)
+        return offset_from(completion_logprobs(entries, tok), offset)
+
     def _model_card(self) -> dict[str, Any]:
         """The served model as an OpenAI model object."""
         return {"id": self.model_name, "object": "model", "owned_by": "skipdecode"}
@@ -327,7 +342,8 @@ class _Routes:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [
-                {"index": i, "text": t, "finish_reason": _reason(r), "logprobs": None}
+                {"index": i, "text": t, "finish_reason": _reason(r),
+                 "logprobs": None if result.logprobs is None else self._logprobs("text", result.logprobs[i])}
                 for i, (t, r) in enumerate(zip(result.texts, result.finish_reasons))
             ],
             "usage": _usage(result),
@@ -345,6 +361,7 @@ class _Routes:
                     "index": 0,
                     "message": {"role": "assistant", "content": result.texts[0]},
                     "finish_reason": _reason(result.finish_reasons[0]),
+                    "logprobs": None if result.logprobs is None else self._logprobs("chat", result.logprobs[0]),
                 }
             ],
             "usage": _usage(result),

@@ -1,0 +1,154 @@
+"""Log-probabilities of generated tokens: computed by the in-flight engine for the rows that ask,
+and written in OpenAI's two response shapes.
+
+What a log-probability is here: ``log_softmax`` of the logits the token was drawn from, over the
+whole vocabulary, *before* temperature, top-k and top-p (the model's own distribution at that
+step, as vLLM's default ``logprobs_mode="raw_logprobs"``), in float32. Under a skip policy these
+are the logits of the layers that ran at that step, so they show what skipping does to the
+model's confidence; the first token comes from the full-depth prefill. With a quantized head
+(``quantize="int4"``, ``"w8a8"``, ``"head"``) the logits are those of
+:class:`~skipdecode.rescored_head.RescoredHead`: exact int8 logits for each row's top 64
+candidates, the preview elsewhere, so the normalisation includes the preview's values.
+
+Shapes written (OpenAI API reference):
+
+- ``/v1/completions`` (``logprobs: n``): ``{"tokens", "token_logprobs", "top_logprobs",
+  "text_offset"}``, one entry per token; ``top_logprobs[i]`` maps the ``n`` most likely token
+  strings, and the chosen one, to their log-probabilities (up to n + 1 entries, as OpenAI says;
+  fewer where ids decode to the same string, the chosen id's value kept for its string).
+- ``/v1/chat/completions`` (``logprobs: true``, ``top_logprobs: n``): ``{"content": [{"token",
+  "logprob", "bytes", "top_logprobs": [n x {"token", "logprob", "bytes"}]}], "refusal": null}``.
+
+A token's string is ``tokenizer.decode([id])``, so a token that holds part of a multi-byte
+character reads as U+FFFD; ``bytes`` are that string's UTF-8 bytes. Tokens left out of the text
+(an EOS that ended the row) get no entry, so a row's entries are the tokens of its text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs", "completion_logprobs", "offset_from", "chat_logprobs",
+           "logprobs_record"]
+
+#: Most alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``), OpenAI's
+#: chat limit (0-20) and vLLM's default ``max_logprobs``.
+MAX_LOGPROBS = 20
+
+
+def check_logprobs(value: Any, name: str = "logprobs") -> int | None:
+    """``value`` if it is None or an integer in [0, :data:`MAX_LOGPROBS`] (alternatives per
+    token), else ValueError naming ``name`` (the API's ``logprobs``, the CLI's ``--logprobs``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and its most likely alternatives.
+
+    Attributes:
+        token: the generated id.
+        logprob: its natural-log probability (<= 0).
+        top: the ``n`` most likely ids with theirs, most likely first (``n`` = what the request
+            asked for; the chosen id appears here only if it is among them).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of ``tokens`` under ``logits``, one row each.
+
+    Args:
+        logits: (R, V) the logits each row's token was drawn from (any float dtype).
+        tokens: R generated ids.
+        top_n: per row, how many alternatives to return (0..V).
+
+    Returns:
+        R :class:`TokenLogprobs`: ``logprob = log_softmax(logits[r].float())[tokens[r]]``, and
+        ``top`` the ``top_n[r]`` largest entries of that row (``torch.topk``, most likely first).
+
+    Raises:
+        ValueError: ``logits`` not 2-D, or ``tokens`` / ``top_n`` of another length than its rows.
+    """
+    if logits.ndim != 2 or len(tokens) != logits.shape[0] or len(top_n) != logits.shape[0]:
+        raise ValueError(f"logits must be (R, V) with R = len(tokens) = len(top_n); got {tuple(logits.shape)}, "
+                         f"{len(tokens)} tokens and {len(top_n)} top_n values")
+    if logits.shape[0] == 0:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.as_tensor(list(tokens), device=lp.device)[:, None])[:, 0].tolist()
+    k = max(top_n)
+    values, ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    values, ids = values.tolist(), ids.tolist()
+    return [TokenLogprobs(int(t), c, tuple(zip(ids[r][:n], values[r][:n])))
+            for r, (t, c, n) in enumerate(zip(tokens, chosen, top_n))]
+
+
+def requested_logprobs(top_n: Sequence[int | None], logits: torch.Tensor,
+                       tokens: Sequence[int]) -> dict[int, TokenLogprobs]:
+    """``{i: TokenLogprobs}`` for the rows i of ``logits`` (B, V) whose ``top_n[i]`` is not None
+    (rows that asked for log-probabilities), computed together by :func:`token_logprobs`;
+    ``tokens`` are the B generated ids. Rows that did not ask cost nothing."""
+    asked = [i for i, n in enumerate(top_n) if n is not None]
+    if not asked:
+        return {}
+    picked = logits.index_select(0, torch.tensor(asked, device=logits.device))
+    return dict(zip(asked, token_logprobs(picked, [tokens[i] for i in asked], [top_n[i] for i in asked])))
+
+
+def _text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str, Any]:
+    """The ``logprobs`` object of a ``/v1/completions`` choice (or chunk) for ``entries``.
+
+    ``text_offset`` counts characters from the start of the entries' text, each token's string
+    after the ones before it (a chunk's offsets start at 0; :func:`offset_from` shifts them)."""
+    tokens = [_text(tokenizer, e.token) for e in entries]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    top = []
+    for e, s in zip(entries, tokens):
+        alts = {_text(tokenizer, t): lp for t, lp in e.top}
+        alts[s] = e.logprob  # ids with the same string share a key: the chosen one's value wins
+        top.append(alts)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def offset_from(logprobs: dict[str, Any], start: int) -> dict[str, Any]:
+    """``logprobs`` (:func:`completion_logprobs`) with every ``text_offset`` moved by ``start``
+    characters (a stream's later chunks continue the offsets of the earlier ones)."""
+    return {**logprobs, "text_offset": [o + start for o in logprobs["text_offset"]]}
+
+
+def _chat_token(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    s = _text(tokenizer, token)
+    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str, Any]:
+    """The ``logprobs`` object of a ``/v1/chat/completions`` choice (or chunk) for ``entries``."""
+    content = [{**_chat_token(tokenizer, e.token, e.logprob),
+                "top_logprobs": [_chat_token(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def logprobs_record(entries: Sequence[TokenLogprobs], tokenizer: Any) -> list[dict[str, Any]]:
+    """``entries`` as JSON-ready dicts (``skipdecode generate --logprobs N --json``): per token
+    ``{"token": id, "text", "logprob", "top": [{"token": id, "text", "logprob"}]}``."""
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        return {"token": token, "text": _text(tokenizer, token), "logprob": logprob}
+
+    return [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]} for e in entries]

@@ -1,0 +1,83 @@
+"""The text of one generated row, token by token: EOS left out, cut at stop strings, and the
+deltas a stream may send without ever taking text back (:class:`RowText`). Used by
+:func:`skipdecode.generate.stream_generate`, the in-flight engine's callers and the server."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["RowText"]
+
+
+def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class RowText:
+    """The text of one generated row, built token by token, and the deltas to stream.
+
+    Args:
+        tokenizer: the model's HF tokenizer (decodes with ``skip_special_tokens``).
+        eos_token_ids: ids that end the row (left out of the text).
+        stop: stop strings; the text is cut before the first one found.
+        ends_at_eos: False when EOS does not end the row (a request's ``ignore_eos``): EOS ids are
+            still left out of the text, but pushing one does not make the reason "eos".
+
+    Attributes:
+        ids: generated ids so far (a final EOS included).
+        text: the row's text so far (EOS left out, cut at a stop string).
+        reason: "length", "eos" (an EOS id was pushed and ends the row) or "stop" (:meth:`stopped`
+            found one).
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 ends_at_eos: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.ends_at_eos = ends_at_eos
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.printed = ""
+        self.reason = "length"
+
+    def stopped(self, ids: Sequence[int]) -> bool:
+        """True (and reason "stop") when the text of ``ids`` contains a stop string."""
+        if not self.stop:
+            return False
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        if any(s in text for s in self.stop):
+            self.reason = "stop"
+            return True
+        return False
+
+    def push(self, token: int, final: bool) -> str:
+        """Add generated ``token``; ``final`` when the row ends with it. Returns the new text to
+        stream ("" when nothing visible is new)."""
+        self.ids.append(token)
+        if token in self.eos and self.ends_at_eos:
+            self.reason = "eos"
+        text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
+        if self.reason == "stop":
+            cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
+            text = text[:cut]
+        self.text = text
+        # Hold back a trailing U+FFFD (a multi-byte character split across tokens) until the
+        # row's next token completes it or the row ends, so deltas never need rewriting.
+        shown = text if final else text.rstrip("\ufffd")
+        if not final:
+            # Likewise hold back a tail that may begin a stop string: it is cut if the stop
+            # string completes on a later token, and a streamed delta cannot be taken back.
+            shown = shown[: len(shown) - _partial_stop_len(shown, self.stop)]
+        if shown.startswith(self.printed) and len(shown) > len(self.printed):
+            delta = shown[len(self.printed) :]
+            self.printed = shown
+            return delta
+        return ""
