@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from conftest import make_model, make_tokenizer
 from skipdecode import get_adapter
 from skipdecode.engine import Engine, Request
-from skipdecode.logprobs import MAX_LOGPROBS, completion_logprobs, token_logprobs
+from skipdecode.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs, token_bytes, token_logprobs
 from skipdecode.model import SkipModel
 from skipdecode.policy import LinearDecayPolicy
 from skipdecode.server import create_app
@@ -37,16 +37,28 @@ def test_token_logprobs_are_log_softmax_and_its_top_n():
         token_logprobs(logits, tokens[:2], top_n)
 
 
-def test_completion_offsets_count_the_token_strings():
+def test_token_bytes_rebuild_text_whose_characters_span_tokens():
+    """OpenAI's ``bytes``: each token's own bytes, so that they join into the text even where a
+    character spans several tokens (a token's string alone then reads U+FFFD); ``text_offset``
+    counts the characters the earlier tokens complete."""
     tok = make_tokenizer()
-    ids = tok("The Eagle is a coffee shop")["input_ids"]
+    text = "猫、犬 café 😀"
+    ids = tok(text)["input_ids"]
+    raw = [token_bytes(tok, i) for i in ids]
+    assert b"".join(raw) == text.encode("utf-8")
+    assert any(len(r) == 1 and r[0] >= 0x80 for r in raw)  # a token holding part of a character
     entries = token_logprobs(torch.zeros(len(ids), tok.vocab_size), ids, [1] * len(ids))
     out = completion_logprobs(entries, tok)
-    strings = [tok.decode([i]) for i in ids]
-    assert out["tokens"] == strings
-    assert out["text_offset"] == [sum(len(s) for s in strings[:k]) for k in range(len(ids))]
+    assert out["tokens"] == [r.decode("utf-8", errors="replace") for r in raw]
+    assert out["text_offset"] == [len(b"".join(raw[:k]).decode("utf-8", errors="ignore")) for k in range(len(ids))]
+    assert out["text_offset"][-1] < len(text) and out["text_offset"] == sorted(out["text_offset"])
+    later = completion_logprobs(entries[3:], tok, b"".join(raw[:3]))  # a stream's later chunk
+    assert later["text_offset"] == out["text_offset"][3:]
     # the chosen token always appears among the alternatives (OpenAI: up to n + 1 entries)
-    assert all(strings[k] in out["top_logprobs"][k] for k in range(len(ids)))
+    assert all(out["tokens"][k] in out["top_logprobs"][k] for k in range(len(ids)))
+    chat = chat_logprobs(entries, tok)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat) == text.encode("utf-8")
+    assert token_bytes(tok, tok.eos_token_id) == tok.eos_token.encode()  # a special token: its text
 
 
 @pytest.mark.parametrize("policy", [None, SKIP], ids=["full", "skip"])
@@ -119,9 +131,10 @@ def test_chat_logprobs_streamed_and_not(client):
             "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
     data = client.post("/v1/chat/completions", json=body).json()
     content = data["choices"][0]["logprobs"]["content"]
-    assert len(content) == 6
+    assert 1 <= len(content) <= 6  # special tokens (here <|im_end|>, generated under ignore_eos) get none
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == data["choices"][0]["message"]["content"]
     for e in content:
-        assert e["bytes"] == list(e["token"].encode("utf-8"))
+        assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]
         assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
         assert e["logprob"] <= e["top_logprobs"][0]["logprob"] + 1e-6  # the top alternative is the most likely
     streamed = [e for c in _sse(client, "/v1/chat/completions", body)
@@ -147,7 +160,7 @@ def test_bad_logprobs_fields_answer_400_naming_them(client, path, body, param):
 
 @pytest.mark.parametrize("inflight", [False, True], ids=["static", "inflight"])
 def test_python_api_logprobs_equal_the_engines_and_follow_the_text(inflight):
-    """``SkipModel.generate(logprobs=n)``: one entry per text token (EOS left out), equal (1e-5)
+    """``SkipModel.generate(logprobs=n)``: one entry per text token (EOS and special tokens left out), equal (1e-5)
     between a static batch and in-flight batching and to the server's engine; chunks carry them."""
     sk = SkipModel(make_model("llama"), make_tokenizer())
     prompts = ["The Eagle is", "Describe the restaurant"]
@@ -156,10 +169,12 @@ def test_python_api_logprobs_equal_the_engines_and_follow_the_text(inflight):
     ref = sk.generate(prompts, **{**kw, "max_batch_size": None if inflight else 2})  # the other path
     plain = sk.generate(prompts, **{**kw, "logprobs": None})
     assert plain.logprobs is None and plain.texts == res.texts
-    eos = set(sk.tokenizer.all_special_ids)
+    hidden = {i for i, t in sk.tokenizer.added_tokens_decoder.items() if t.special}  # EOS among them
     for row in range(2):
         entries = res.logprobs[row]
-        assert [e.token for e in entries] == [t for t in res.token_ids[row] if t not in eos]
+        assert [e.token for e in entries] == [t for t in res.token_ids[row] if t not in hidden]
+        assert b"".join(token_bytes(sk.tokenizer, e.token) for e in entries).decode("utf-8", errors="replace") \
+            == res.texts[row]
         assert all(len(e.top) == 2 and e.logprob <= e.top[0][1] + 1e-6 for e in entries)
         assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in ref.logprobs[row]], abs=1e-5)
     chunks = list(sk.stream_generate(prompts[:1], max_new_tokens=6, policy=SKIP, logprobs=0))

@@ -212,7 +212,6 @@ def test_developer_role_is_kept_for_a_template_that_knows_it():
     [
         ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
         ("/v1/completions", "suffix", "end"), ("/v1/completions", "logit_bias", {"5": 10}),
-        ("/v1/completions", "frequency_penalty", 0.5), ("/v1/completions", "presence_penalty", -1),
         ("/v1/completions", "echo", 0),  # a number is not false
         ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", "tool_choice", "required"),
@@ -247,7 +246,7 @@ def test_neutral_values_of_unsupported_fields_change_nothing(client, path, neutr
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p"),
         ("/v1/completions", {"prompt": "x", "max_completion_tokens": 2}, "max_completion_tokens"),  # chat only
         ("/v1/chat/completions", {"messages": [{**MSGS[0], "foo": 1}]}, "messages[0].foo"),
         ("/v1/chat/completions", {"messages": MSGS, "stream": True, "stream_options": {"bar": 1}},

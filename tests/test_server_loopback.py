@@ -231,7 +231,7 @@ def test_concurrent_streams_with_logprobs_match_their_solo_requests(server):
             assert entries == []
             continue
         lp = alone[i // 2]["choices"][0]["logprobs"]
-        assert [t for t, _ in entries] == lp["tokens"] and entries  # EOS ids (ignore_eos) have no entry
+        assert [t for t, _ in entries] == lp["tokens"] and entries  # EOS ids (ignore_eos) and special tokens have no entry
         assert [v for _, v in entries] == pytest.approx(lp["token_logprobs"], abs=1e-4)
 
 

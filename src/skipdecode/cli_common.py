@@ -97,7 +97,8 @@ def stock_weights_at_full_depth(sk, policy, model_args: tuple):
 #: Python names of generation settings -> the CLI options that set them (for error messages:
 #: the library's ValueErrors start with the field, the CLI names the option instead).
 OPTION_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-                "stop": "--stop"}
+                "stop": "--stop", "repetition_penalty": "--repetition-penalty",
+                "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty"}
 
 
 def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
@@ -112,9 +113,10 @@ def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
     return message
 
 
-def sampling_from_options(temperature, top_k, top_p, seed):
+def sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty=1.0, frequency_penalty=0.0,
+                          presence_penalty=0.0):
     """:class:`~skipdecode.sampling.SamplingParams` from the CLI options; exits 2 with one line
-    naming the option (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``) and its allowed
+    naming the option (``--temperature``, ``--top-k``, ``--top-p``, ``--seed``, the penalties) and its allowed
     range when a value is out of range (the ranges are the library's, e.g. the seed's int64 range
     of :mod:`skipdecode.limits`, the same as the server's; the seed's is checked here, as the
     library's message also allows None, which the option cannot be given)."""
@@ -124,7 +126,9 @@ def sampling_from_options(temperature, top_k, top_p, seed):
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         fail(f"--seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64), got {seed}")
     try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty)
     except ValueError as e:
         fail(as_option_error(e))
 

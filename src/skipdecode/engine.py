@@ -428,8 +428,10 @@ class Engine:
         return events
 
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
-        """Greedy rows by one argmax; sampled rows each with their own generator."""
-        greedy = [i for i, r in enumerate(rows) if r.sampler.params.greedy]
+        """Greedy rows without penalties by one argmax; the others each with their own sampler
+        and history (prompt, then the row's tokens)."""
+        alone = [r.sampler.params.greedy and not r.sampler.params.penalized for r in rows]
+        greedy = [i for i, a in enumerate(alone) if a]
         out = [0] * len(rows)
         if greedy:
             chosen = logits if len(greedy) == len(rows) else logits.index_select(0, torch.tensor(greedy, device=logits.device))
@@ -437,9 +439,9 @@ class Engine:
             for i, t in zip(greedy, picked):
                 out[i] = t
         for i, r in enumerate(rows):
-            if not r.sampler.params.greedy:
+            if not alone[i]:
                 history = torch.tensor([list(r.request.prompt_ids) + r.tokens], device=logits.device)
-                out[i] = int(r.sampler(logits[i : i + 1], history)[0])
+                out[i] = int(r.sampler(logits[i : i + 1], history, len(r.tokens))[0])
         return out
 
     def run(self, requests: Sequence[Request], on_event: Callable[[TokenEvent], None] | None = None) -> list[Row]:

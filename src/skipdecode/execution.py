@@ -78,7 +78,7 @@ class Submission:
         """The next group of one row's tokens (class docstring), as a one-entry list
         ``[(row index, text delta, row finished, log-probabilities)]``, the delta being its
         tokens' text joined and the log-probabilities those of its tokens that belong to the text
-        (EOS left out; empty unless the request asked, ``Request.logprobs``).
+        (EOS and special tokens left out; empty unless the request asked, ``Request.logprobs``).
 
         Raises:
             asyncio.TimeoutError: nothing within ``timeout`` seconds.
@@ -91,7 +91,7 @@ class Submission:
             raise item
         i, last = item[0].row.request.tag, item[-1]
         delta = "".join(self.texts[i].push(ev.token, ev.finished) for ev in item)
-        entries = [ev.logprobs for ev in item if ev.logprobs is not None and ev.token not in self.texts[i].eos]
+        entries = [ev.logprobs for ev in item if ev.logprobs is not None and self.texts[i].in_text(ev.token)]
         self.logprobs[i] += entries
         if last.finished:
             self.rows[i] = last.row

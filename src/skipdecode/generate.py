@@ -67,17 +67,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def sample_rows(samplers: Sequence[Sampler], logits: torch.Tensor, input_ids: torch.Tensor,
+                starts: Sequence[int] | None = None, generated: int = 0) -> torch.Tensor:
     """Next tokens (B,) for ``logits`` (B, V): one greedy :class:`Sampler` for the whole batch
     (``len(samplers) == 1``), else ``samplers[b]`` (row b's own generator) draws row b from
-    ``logits[b]`` with history ``input_ids[b]`` (B, K).
+    ``logits[b]`` with history ``input_ids[b, starts[b]:]`` ((B, K) left-padded; ``starts[b]``
+    row b's padding columns, default none), of which the last ``generated`` are its output.
 
     Raises:
         RuntimeError: NaN logits (see :class:`Sampler`).
     """
     if len(samplers) == 1:
-        return samplers[0](logits, input_ids)
-    return torch.cat([s(logits[b : b + 1], input_ids[b : b + 1]) for b, s in enumerate(samplers)])
+        return samplers[0](logits, input_ids, generated)
+    starts = starts or [0] * len(samplers)
+    return torch.cat([s(logits[b : b + 1], input_ids[b : b + 1, starts[b]:], generated)
+                      for b, s in enumerate(samplers)])
 
 
 @torch.inference_mode()
@@ -139,7 +143,9 @@ def generate_step(
     # one generator per row (each seeded with the seed): a row's samples never depend on its
     # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
     params = sampling or SamplingParams()
-    samplers = [Sampler(params, device=device) for _ in range(1 if params.greedy else B)]
+    history = not params.greedy or params.penalized  # the warpers and the penalties read it
+    samplers = [Sampler(params, device=device) for _ in range(B if history else 1)]
+    starts = (P - attention_mask.sum(-1)).tolist()  # left padding per row: not part of its history
     cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
     mask = attention_mask.long()
@@ -163,7 +169,7 @@ def generate_step(
             # a step that runs every layer runs the base model (a decode-only skip adapter is for skipping)
             with base_weights() if len(active) == adapter.num_layers else nullcontext():
                 logits = skip_forward(adapter, tokens, mask, active_layers=active, cache=cache)[:, -1]
-        next_tokens = sample_rows(samplers, logits, all_ids)
+        next_tokens = sample_rows(samplers, logits, all_ids, starts, step)
         emitted = ~finished
         next_tokens = torch.where(emitted, next_tokens, torch.full_like(next_tokens, pad_token_id))
         if eos.numel():
@@ -184,7 +190,7 @@ def generate_step(
         if bool(finished.all()):
             return
         tokens = next_tokens[:, None]
-        if not params.greedy:  # only the logits warpers read the history
+        if history:  # only the logits warpers and the penalties read it
             all_ids = torch.cat([all_ids, tokens], dim=1)
 
 
@@ -200,7 +206,7 @@ class StreamChunk:
         finished: per-row finished flags after this step.
         logprobs: when the run asked (``logprobs``), per row the
             :class:`~skipdecode.logprobs.TokenLogprobs` of this step's token (None for a row
-            without one, or whose token is an EOS left out of the text); else None.
+            without one, or whose token is left out of the text: EOS, special tokens); else None.
     """
 
     step: int
@@ -234,7 +240,7 @@ class GenerationResult:
             that shared this run's decode steps (rows per step; None: a static batch, where it
             is ``batch_size``).
         logprobs: per prompt, a :class:`~skipdecode.logprobs.TokenLogprobs` for each token of its
-            text (EOS left out) when the run asked for log-probabilities (the server's
+            text (EOS and special tokens left out) when the run asked for log-probabilities (the server's
             ``logprobs``), else None.
     """
 
@@ -375,8 +381,8 @@ def _eos_ids(tokenizer, model) -> list[int]:
 def _step_logprobs(rows: list[RowText], logits: torch.Tensor, column: list[int], emitted: list[bool],
                    top_n: int) -> list[TokenLogprobs | None]:
     """Per row, the :class:`~skipdecode.logprobs.TokenLogprobs` of its token in ``column`` under
-    ``logits`` (B, V), for rows that emitted one that belongs to the text (not an EOS id)."""
-    wanted = [top_n if emitted[r] and column[r] not in rows[r].eos else None for r in range(len(rows))]
+    ``logits`` (B, V), for rows that emitted one that shows in the text (:meth:`RowText.in_text`)."""
+    wanted = [top_n if emitted[r] and rows[r].in_text(column[r]) else None for r in range(len(rows))]
     got = requested_logprobs(wanted, logits, column)
     return [got.get(r) for r in range(len(rows))]
 

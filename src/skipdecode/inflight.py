@@ -91,7 +91,7 @@ def generate_inflight(
                 done_rows.append(ev.row)
             if ev.step > 0:
                 layers_run.append(ev.num_layers_run)
-            if kept is not None and ev.token not in texts[i].eos:
+            if kept is not None and texts[i].in_text(ev.token):
                 kept[i].append(ev.logprobs)
                 step_logprobs[i] = ev.logprobs
         if on_chunk is not None and events:

@@ -19,19 +19,25 @@ Shapes written (OpenAI API reference):
 - ``/v1/chat/completions`` (``logprobs: true``, ``top_logprobs: n``): ``{"content": [{"token",
   "logprob", "bytes", "top_logprobs": [n x {"token", "logprob", "bytes"}]}], "refusal": null}``.
 
-A token's string is ``tokenizer.decode([id])``, so a token that holds part of a multi-byte
-character reads as U+FFFD; ``bytes`` are that string's UTF-8 bytes. Tokens left out of the text
-(an EOS that ended the row) get no entry, so a row's entries are the tokens of its text.
+A token's ``bytes`` are its own raw bytes (:func:`token_bytes`: for byte-level BPE tokenizers,
+GPT-2's byte-to-unicode table inverted; ``<0xHH>`` byte-fallback pieces; else the UTF-8 of its
+decoded text), so the bytes of consecutive tokens join into the text even where one character
+spans several tokens, as OpenAI intends; its string is those bytes decoded (U+FFFD for part of a
+character). Completions' ``text_offset`` counts the characters the tokens before it complete.
+Tokens the text leaves out get no entry: EOS ids (also under ``ignore_eos``) and special tokens
+(the text is decoded with ``skip_special_tokens``). The token that completed a stop string keeps its entry (as vLLM), so with ``stop`` the
+last entries can reach past the returned text.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs", "completion_logprobs", "offset_from", "chat_logprobs",
+__all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs", "completion_logprobs", "token_bytes", "chat_logprobs",
            "logprobs_record"]
 
 #: Most alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``), OpenAI's
@@ -104,20 +110,57 @@ def requested_logprobs(top_n: Sequence[int | None], logits: torch.Tensor,
     return dict(zip(asked, token_logprobs(picked, [tokens[i] for i in asked], [top_n[i] for i in asked])))
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (``bytes_to_unicode`` inverted, as
+    transformers builds byte-level tokenizers with it); {} if transformers no longer has it."""
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # pragma: no cover - depends on the transformers version
+        return {}
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The raw bytes token ``token`` stands for: a byte-level BPE piece mapped back through GPT-2's
+    table, a ``<0xHH>`` byte-fallback piece as its byte, a special token or any other piece as the
+    UTF-8 of ``tokenizer.decode([token])`` (SentencePiece's "▁" as a space)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token))
+    if isinstance(piece, str) and int(token) not in set(tokenizer.all_special_ids):
+        table = _byte_decoder()
+        if _byte_level(tokenizer) and table and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode("utf-8")
+    return tokenizer.decode([int(token)]).encode("utf-8")
+
+
 def _text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+    return token_bytes(tokenizer, token).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before: bytes = b"") -> dict[str, Any]:
     """The ``logprobs`` object of a ``/v1/completions`` choice (or chunk) for ``entries``.
 
-    ``text_offset`` counts characters from the start of the entries' text, each token's string
-    after the ones before it (a chunk's offsets start at 0; :func:`offset_from` shifts them)."""
-    tokens = [_text(tokenizer, e.token) for e in entries]
-    offsets, at = [], 0
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
+    ``text_offset``: the characters of the text before each token, from the bytes of the tokens
+    before it (``before``: the bytes of the row's earlier tokens, for a stream's later chunks),
+    counting only characters they complete."""
+    raw = [token_bytes(tokenizer, e.token) for e in entries]
+    tokens = [b.decode("utf-8", errors="replace") for b in raw]
+    offsets, seen = [], before
+    for b in raw:
+        offsets.append(len(seen.decode("utf-8", errors="ignore")))
+        seen += b
     top = []
     for e, s in zip(entries, tokens):
         alts = {_text(tokenizer, t): lp for t, lp in e.top}
@@ -127,15 +170,9 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dic
             "text_offset": offsets}
 
 
-def offset_from(logprobs: dict[str, Any], start: int) -> dict[str, Any]:
-    """``logprobs`` (:func:`completion_logprobs`) with every ``text_offset`` moved by ``start``
-    characters (a stream's later chunks continue the offsets of the earlier ones)."""
-    return {**logprobs, "text_offset": [o + start for o in logprobs["text_offset"]]}
-
-
 def _chat_token(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
-    s = _text(tokenizer, token)
-    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+    raw = token_bytes(tokenizer, token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str, Any]:
@@ -147,7 +184,8 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str,
 
 def logprobs_record(entries: Sequence[TokenLogprobs], tokenizer: Any) -> list[dict[str, Any]]:
     """``entries`` as JSON-ready dicts (``skipdecode generate --logprobs N --json``): per token
-    ``{"token": id, "text", "logprob", "top": [{"token": id, "text", "logprob"}]}``."""
+    ``{"token": id, "text", "logprob", "top": [{"token": id, "text", "logprob"}]}``, ``text`` the
+    token's bytes decoded (:func:`token_bytes`)."""
     def one(token: int, logprob: float) -> dict[str, Any]:
         return {"token": token, "text": _text(tokenizer, token), "logprob": logprob}
 

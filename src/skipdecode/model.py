@@ -216,11 +216,11 @@ class SkipModel:
             return trained
         return for_speedup(self.num_layers, speedup, horizon, warmup_layers=1 if warmup is None else warmup)
 
-    def _kwargs(self, policy, temperature, top_k, top_p, seed, chat) -> dict:
+    def _kwargs(self, policy, temperature, top_k, top_p, seed, chat, penalties: dict) -> dict:
         policy = check_policy(self.policy if policy is None else policy, self.num_layers)
         return dict(
             policy=policy,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, **penalties),
             chat=self.chat if chat is None else chat,
         )
 
@@ -234,6 +234,9 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
         stop: Sequence[str] | str = (),
         chat: bool | None = None,
         max_batch_size: int | None = None,
@@ -250,6 +253,8 @@ class SkipModel:
         result's ``logprobs`` (per prompt, a :class:`~skipdecode.logprobs.TokenLogprobs` per text
         token: its log-probability under the layers that ran for it and its n most likely
         alternatives, as vLLM's ``SamplingParams(logprobs=n)``).
+        ``repetition_penalty`` (Hugging Face's, 1: off), ``frequency_penalty`` and
+        ``presence_penalty`` (OpenAI's, -2..2, 0: off): :class:`~skipdecode.sampling.SamplingParams`.
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field), among them a ``policy`` that is not
@@ -265,7 +270,9 @@ class SkipModel:
             cohort_size=cohort_size,
             prefix_cache=prefix_cache,
             logprobs=logprobs,
-            **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
+            **self._kwargs(policy, temperature, top_k, top_p, seed, chat, dict(
+                repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty)),
         )
 
     def stream_generate(
@@ -278,6 +285,9 @@ class SkipModel:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
         stop: Sequence[str] | str = (),
         chat: bool | None = None,
         logprobs: int | None = None,
@@ -301,7 +311,9 @@ class SkipModel:
             max_new_tokens=max_new_tokens,
             stop=stop,
             logprobs=logprobs,
-            **self._kwargs(policy, temperature, top_k, top_p, seed, chat),
+            **self._kwargs(policy, temperature, top_k, top_p, seed, chat, dict(
+                repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty)),
         )
 
     def save_pretrained(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:

@@ -8,17 +8,18 @@ checks that every field of those types is handled here. Each field of a request 
   list of token ids or a list of token-id lists), ``messages`` (roles ``system``, ``developer``,
   ``user``, ``assistant``; content a string or a list of text parts), ``max_tokens``,
   ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``
-  (a string or up to 4 non-empty strings),
+  (a string or up to 4 non-empty strings), ``frequency_penalty`` and ``presence_penalty`` (-2..2),
   ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``logprobs`` (completions: 0..20
   alternatives; chat: true/false, with ``top_logprobs`` 0..20; :mod:`skipdecode.logprobs`);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
-  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, and ``ignore_eos`` (vLLM's
+  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, ``repetition_penalty`` (> 0,
+  Hugging Face's and vLLM's), and ``ignore_eos`` (vLLM's
   extension of the same name: EOS does not end a row, so it runs to ``max_tokens`` or a stop
   string; load tests use it to give every request the same number of new tokens);
 - **ignored**, because it cannot change the answer: ``user``, ``metadata``,
   ``safety_identifier``, the prompt-cache hints, ``parallel_tool_calls`` (no tools here);
 - **unsupported**: accepted only with a value that does not ask for the feature (null, or its
-  neutral value such as ``frequency_penalty: 0`` or ``echo: false``); any other value
+  neutral value such as ``logit_bias: {}`` or ``echo: false``); any other value
   answers HTTP 400 naming the field (``echo``, ``best_of``, ``tools``,
   ``response_format``, ``logit_bias``, ...), never a silent default.
 
@@ -42,7 +43,7 @@ from .limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
 from .logprobs import MAX_LOGPROBS
 from .policy import SkipPolicy
 from .prompts import encode_prompt
-from .sampling import SamplingParams
+from .sampling import PENALTY_RANGE, SamplingParams
 
 __all__ = [
     "APIError",
@@ -118,7 +119,7 @@ IGNORED_FIELDS: dict[str, frozenset[str]] = {
     "part": frozenset({"prompt_cache_breakpoint"}),
 }
 
-_PENALTIES = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {})}
+_PENALTIES = {"logit_bias": (None, {})}
 #: OpenAI fields this server does not implement, per place, with the values that do not ask for
 #: the feature (accepted); any other value answers 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, dict[str, tuple]] = {
@@ -202,7 +203,8 @@ class SkipFields(_Body):
 
 
 class CommonFields(SkipFields):
-    """OpenAI fields shared by both endpoints, plus ``top_k`` and ``ignore_eos`` (ours). None: the default.
+    """OpenAI fields shared by both endpoints, plus ``top_k``, ``repetition_penalty`` and
+    ``ignore_eos`` (ours, as vLLM's). None: the default.
 
     Defaults: ``max_tokens`` :data:`DEFAULT_MAX_TOKENS` (lowered to what the context leaves),
     ``temperature`` 0 (greedy; OpenAI's default is 1), ``top_p`` 1, ``top_k`` 0 (off),
@@ -216,6 +218,10 @@ class CommonFields(SkipFields):
     top_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[StrictInt] = Field(None, ge=0)
     seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    frequency_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    repetition_penalty: Optional[StrictFloat] = Field(None, gt=0, allow_inf_nan=False,
+                                                      description="Hugging Face's / vLLM's repetition penalty (1: off).")
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
@@ -316,7 +322,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
 
 # -------------------------------------------------------------------------------- validation
 _POLICY_FIELDS = ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty")
 
 
 @dataclass(frozen=True)
@@ -384,7 +391,8 @@ def _sampling(req: CommonFields) -> SamplingParams:
     if top_p == 0:  # a nucleus of mass 0 holds only the most likely token: greedy
         temperature, top_p = 0.0, 1.0
     try:
-        return SamplingParams(temperature=temperature, top_k=req.top_k or 0, top_p=top_p, seed=req.seed)
+        penalties = {k: getattr(req, k) for k in _SAMPLING_FIELDS[4:] if getattr(req, k) is not None}
+        return SamplingParams(temperature=temperature, top_k=req.top_k or 0, top_p=top_p, seed=req.seed, **penalties)
     except ValueError as e:
         raise _named(e, _SAMPLING_FIELDS, "temperature") from None
 

@@ -20,6 +20,14 @@ def _partial_stop_len(text: str, stop: Sequence[str]) -> int:
     return best
 
 
+def _special_ids(tokenizer) -> set[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` drops: the named special tokens and every
+    added token marked special (e.g. a chat template's ``<|im_end|>``)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return ids | {int(i) for i, t in added.items() if getattr(t, "special", False)}
+
+
 class RowText:
     """The text of one generated row, built token by token, and the deltas to stream.
 
@@ -41,12 +49,18 @@ class RowText:
                  ends_at_eos: bool = True) -> None:
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
+        self.hidden = self.eos | _special_ids(tokenizer)  # never in the text
         self.ends_at_eos = ends_at_eos
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.text = ""
         self.printed = ""
         self.reason = "length"
+
+    def in_text(self, token: int) -> bool:
+        """Whether ``token`` shows in the text: EOS ids and special tokens (which the text's
+        ``skip_special_tokens`` decoding drops) do not."""
+        return token not in self.hidden
 
     def stopped(self, ids: Sequence[int]) -> bool:
         """True (and reason "stop") when the text of ``ids`` contains a stop string."""

@@ -1,7 +1,10 @@
-"""Sampling: greedy, temperature, top-k, top-p with a seeded generator.
+"""Sampling: greedy, temperature, top-k, top-p with a seeded generator, and repetition,
+frequency and presence penalties.
 
-The logits transforms are Hugging Face's own warpers (``transformers.generation.logits_process``);
-this module only composes them and draws with a ``torch.Generator`` so runs are reproducible.
+The logits transforms are Hugging Face's own warpers and its repetition penalty
+(``transformers.generation.logits_process``); this module composes them, adds OpenAI's frequency
+and presence penalties (which Hugging Face does not have) and draws with a ``torch.Generator`` so
+runs are reproducible.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -20,7 +24,7 @@ from transformers.generation.logits_process import (
 from .limits import SEED_MAX, SEED_MIN
 from .selection import argmax_last
 
-__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
+__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE", "PENALTY_RANGE"]
 
 #: Temperatures below this decode greedily (argmax), as vLLM (``_SAMPLING_EPS = 1e-5`` in
 #: ``vllm/sampling_params.py``) and SGLang do. Below it ``logits / temperature`` leaves float32's
@@ -28,6 +32,8 @@ __all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
 #: softmax turns into NaN and nothing could be drawn; at and above it the division stays finite
 #: for any logit under 1e33, and the softmax is already all but one-hot.
 GREEDY_TEMPERATURE = 1e-5
+#: The range of ``frequency_penalty`` and ``presence_penalty`` (OpenAI API reference: -2.0 to 2.0).
+PENALTY_RANGE = (-2.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,18 @@ class SamplingParams:
             an integer in [:data:`~skipdecode.limits.SEED_MIN`, :data:`~skipdecode.limits.SEED_MAX`]
             = [-2**63, 2**63 - 1] (int64, OpenAI's ``seed``; the server and the CLI take the same
             range).
+        repetition_penalty: > 0; 1 is off. Hugging Face's ``RepetitionPenaltyLogitsProcessor``
+            (CTRL, Keskar et al. 2019): every token already in the prompt or the output has its
+            logit divided by it when positive, multiplied when negative (vLLM's
+            ``repetition_penalty``).
+        frequency_penalty: in [-2, 2]; 0 is off. OpenAI's: each token's logit minus the penalty
+            times the number of times it occurs in the output so far (generated tokens only, as
+            OpenAI and vLLM).
+        presence_penalty: in [-2, 2]; 0 is off. OpenAI's: the penalty is subtracted once from the
+            logit of each token that occurs in the output so far.
+
+        The penalties change the logits before greedy choice and before the warpers; a row's
+        history is its own prompt (without padding) and its own generated tokens.
 
     Raises:
         ValueError: a field is out of range (the message names it).
@@ -53,6 +71,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -65,11 +86,25 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):  # one range for the API, the CLI and the server (skipdecode.limits)
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64) or None, got {self.seed!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {rp!r}")
+        low, high = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+                raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] (0: off), got {v!r}")
 
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty is on (``repetition_penalty`` != 1 or a frequency or presence
+        penalty != 0): the next token then depends on the row's history."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 class Sampler:
@@ -99,15 +134,20 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Next token ids (B,) for ``logits`` (B, V); ``input_ids`` (B, K) is passed to warpers.
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None, generated: int = 0) -> torch.Tensor:
+        """Next token ids (B,) for ``logits`` (B, V). ``input_ids`` (B, K) is each row's history
+        (its prompt without padding, then its output), passed to the warpers and read by the
+        penalties; its last ``generated`` columns are the output so far (tokens).
 
         NaN logits never reach sampling (PITFALLS 5).
 
         Raises:
             RuntimeError: ``logits`` hold a NaN (greedy: in a chosen position, which argmax
                 picks whenever a row holds one).
+            ValueError: a penalty is on and ``input_ids`` is None.
         """
+        if self.params.penalized:
+            logits = self.penalize(logits, input_ids, generated)
         if self.params.greedy:
             tokens = argmax_last(logits)  # torch.argmax's answer, faster on the CPU (skipdecode.selection)
             # argmax picks a NaN whenever a row holds one, so checking the B chosen logits
@@ -120,3 +160,26 @@ class Sampler:
         scores = self.warpers(input_ids, logits.float())
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def penalize(self, logits: torch.Tensor, input_ids: torch.Tensor | None, generated: int) -> torch.Tensor:
+        """``logits`` (B, V) with the params' penalties applied (a new tensor, float32).
+
+        Repetition: Hugging Face's ``RepetitionPenaltyLogitsProcessor`` over all of ``input_ids``
+        (B, K). Frequency and presence (OpenAI API reference, "Parameter details"): ``logit[j] -=
+        c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``, ``c[j]`` the count of token j
+        in the last ``generated`` columns (the output).
+
+        Raises:
+            ValueError: ``input_ids`` is None.
+        """
+        if input_ids is None:
+            raise ValueError("penalties need the row's history (input_ids)")
+        p = self.params
+        out = logits.float()
+        if p.repetition_penalty != 1:
+            out = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(input_ids, out.clone())
+        if (p.frequency_penalty or p.presence_penalty) and generated > 0:
+            output = input_ids[:, input_ids.shape[1] - generated:]
+            counts = torch.zeros_like(out).scatter_add_(1, output, torch.ones_like(output, dtype=out.dtype))
+            out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(out.dtype)
+        return out

@@ -43,7 +43,7 @@ from .admission import SERVE_ALIGN_STEPS
 from .execution import Executor, Submission
 from .generate import GenerationResult
 from .jsonio import dumps, json_safe
-from .logprobs import chat_logprobs, completion_logprobs, offset_from
+from .logprobs import chat_logprobs, completion_logprobs, token_bytes
 from .model import SkipModel
 from .protocol import (
     APIError,
@@ -271,7 +271,7 @@ class _Routes:
                 body["usage"] = use  # OpenAI: null on every chunk but the last
             return "data: " + dumps(body) + "\n\n"
 
-        offsets = [0] * n  # per row, characters of the token strings sent (completions' text_offset)
+        sent = [b""] * n  # per row, the bytes of the tokens whose log-probabilities were sent (text_offset)
 
         def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False,
                   entries: Optional[list] = None) -> str:
@@ -281,8 +281,8 @@ class _Routes:
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish}
             if entries:
-                choice["logprobs"] = self._logprobs(kind, entries, offsets[i])
-                offsets[i] += sum(len(t) for t in choice["logprobs"].get("tokens", ()))
+                choice["logprobs"] = self._logprobs(kind, entries, sent[i])
+                sent[i] += b"".join(token_bytes(self.model.tokenizer, e.token) for e in entries)
             return sse([choice])
 
         try:
@@ -322,13 +322,14 @@ class _Routes:
             return Response(status_code=499)  # the client is gone
         return body(result)
 
-    def _logprobs(self, kind: str, entries: list, offset: int = 0) -> dict[str, Any]:
+    def _logprobs(self, kind: str, entries: list, before: bytes = b"") -> dict[str, Any]:
         """A choice's (or chunk's) ``logprobs`` object in the endpoint's shape (``kind`` "chat" or
-        "text"; :mod:`skipdecode.logprobs`), completions' ``text_offset`` starting at ``offset``."""
+        "text"; :mod:`skipdecode.logprobs`), completions' ``text_offset`` after the row's earlier
+        tokens' bytes ``before``."""
         tok = self.model.tokenizer
         if kind == "chat":
             return chat_logprobs(entries, tok)
-        return offset_from(completion_logprobs(entries, tok), offset)
+        return completion_logprobs(entries, tok, before)
 
     def _model_card(self) -> dict[str, Any]:
         """The served model as an OpenAI model object."""

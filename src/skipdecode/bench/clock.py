@@ -107,9 +107,9 @@ def _instrumented(clock: _Clock) -> Iterator[None]:
             return orig_pos(*args, **kwargs)
 
     class TimedSampler(orig_sampler):  # type: ignore[misc, valid-type]
-        def __call__(self, logits, input_ids=None):
+        def __call__(self, logits, input_ids=None, generated=0):
             with clock.part("sampling"):
-                return super().__call__(logits, input_ids)
+                return super().__call__(logits, input_ids, generated)
 
     fwd.build_attention_mask, fwd.positions_from_mask, gen.Sampler = timed_mask, timed_pos, TimedSampler
     try:
