@@ -235,6 +235,35 @@ def test_concurrent_streams_with_logprobs_match_their_solo_requests(server):
         assert [v for _, v in entries] == pytest.approx(lp["token_logprobs"], abs=1e-4)
 
 
+def test_concurrent_requests_with_n_choices_get_their_seeded_solo_samples(server):
+    """8 concurrent streamed requests with n = 3 sampled choices each: every choice arrives under
+    its own index and equals the solo sample with seed ``seed + j``."""
+    import json
+
+    sk = SkipModel(make_model("llama"), make_tokenizer())  # the server's model, built the same way
+
+    async def one(c, i):
+        body = {"prompt": f"The Eagle {i} is a", "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 100 + i,
+                "stream": True}
+        texts = ["", "", ""]
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        texts[ch["index"]] += ch["text"]
+        return texts
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(8)))
+
+    got = run(scenario(), 90)
+    for i, texts in enumerate(got):
+        want = [sk.generate([f"The Eagle {i} is a"], max_new_tokens=6, temperature=1.0, seed=100 + i + j).texts[0]
+                for j in range(3)]
+        assert texts == want
+
+
 def test_disconnect_mid_stream_frees_the_only_slot(serial_server):
     async def scenario():
         async with httpx.AsyncClient(base_url=serial_server, timeout=30) as c:

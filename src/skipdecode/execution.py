@@ -18,6 +18,7 @@ from .engine import Request, Row, TokenEvent, mean_batch_rows
 from .generate import GenerationResult, RowText, _eos_ids
 from .logprobs import TokenLogprobs
 from .model import SkipModel
+from .protocol import choice_sampling
 from .scheduler import Scheduler
 
 __all__ = ["Executor", "Submission"]
@@ -109,14 +110,17 @@ class Submission:
         and ``decode_seconds`` are those of its longest row, ``prefill_seconds`` its slowest
         prefill (time to first token); ``cached_prompt_tokens`` its rows' prompt tokens reused
         from the engine's prefix cache; ``mean_batch_rows`` the rows of all requests that its
-        decode steps ran with (:func:`skipdecode.engine.mean_batch_rows`).
+        decode steps ran with (:func:`skipdecode.engine.mean_batch_rows`). With ``n`` choices per
+        prompt, ``prompt_tokens`` and ``cached_prompt_tokens`` count each prompt once (its first
+        choice's), as OpenAI's ``usage`` does; the rest counts every row.
         """
         rows = [r for r in self.rows if isinstance(r, Row)]
+        n = getattr(self.job, "n", 1)  # a prompt's n choices: its prompt counts once (OpenAI's usage)
         return GenerationResult(
             texts=[t.text for t in self.texts],
             token_ids=[t.ids for t in self.texts],
             finish_reasons=[t.reason for t in self.texts],
-            prompt_tokens=[len(r.prompt_ids) for r in self.requests],
+            prompt_tokens=[len(r.prompt_ids) for r in self.requests[::n]],
             new_tokens=[len(t.ids) for t in self.texts],
             prefill_seconds=max(r.prefill_seconds for r in rows),
             decode_seconds=max(r.decode_seconds for r in rows),
@@ -125,7 +129,7 @@ class Submission:
             num_layers=num_layers,
             batch_size=len(rows),
             policy=self.job.policy.to_dict(),
-            cached_prompt_tokens=[r.cached_prompt_tokens for r in rows],
+            cached_prompt_tokens=[r.cached_prompt_tokens for r in self.rows[::n] if isinstance(r, Row)],
             mean_batch_rows=mean_batch_rows(rows),
             logprobs=self.logprobs if self.job.logprobs is not None else None,
         )
@@ -143,21 +147,24 @@ class Executor:
 
     def submit(self, job: Any) -> Submission:
         """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
-        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``, ``logprobs``); call
-        it on the event loop.
+        ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``, ``logprobs``, ``n``:
+        ``n`` rows per prompt, row ``k * n + j`` prompt k's choice j with
+        :func:`~skipdecode.protocol.choice_sampling`); call it on the event loop.
 
         Raises:
             ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
             QueueFull: the waiting queue is full (the server answers 429).
         """
         tok = self.model.tokenizer
+        n = getattr(job, "n", 1)
+        rows = [(ids, j) for ids in job.prompts for j in range(n)]  # row k * n + j: prompt k's choice j
         # ignore_eos: EOS ends no row (RowText still leaves EOS tokens out of the text)
-        texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not job.ignore_eos) for _ in job.prompts]
+        texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not job.ignore_eos) for _ in rows]
         ends = () if job.ignore_eos else tuple(self.eos_token_ids)
         reqs = [
-            Request(list(ids), job.max_new_tokens, job.policy, job.sampling, ends,
+            Request(list(ids), job.max_new_tokens, job.policy, choice_sampling(job.sampling, j), ends,
                     texts[i].stopped if texts[i].stop else None, tag=i, logprobs=job.logprobs)
-            for i, ids in enumerate(job.prompts)
+            for i, (ids, j) in enumerate(rows)
         ]
         sub = Submission(self.scheduler, reqs, texts, job, self.stream_interval)
         sub.start()

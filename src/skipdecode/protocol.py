@@ -9,7 +9,7 @@ checks that every field of those types is handled here. Each field of a request 
   ``user``, ``assistant``; content a string or a list of text parts), ``max_tokens``,
   ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``
   (a string or up to 4 non-empty strings), ``frequency_penalty`` and ``presence_penalty`` (-2..2),
-  ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``logprobs`` (completions: 0..20
+  ``stream``, ``stream_options.include_usage``, ``n`` (1..128 choices per prompt), ``logprobs`` (completions: 0..20
   alternatives; chat: true/false, with ``top_logprobs`` 0..20; :mod:`skipdecode.logprobs`);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
   ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, ``repetition_penalty`` (> 0,
@@ -33,7 +33,7 @@ the CLI use), the policy, the sampling settings and the token budget, every erro
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from fastapi import HTTPException
@@ -105,6 +105,20 @@ def unknown_model(name: str, served: str) -> APIError:
 def bad(param: str, problem: str) -> APIError:
     """A 400 ``invalid_request_error`` whose message is ``"<param>: <problem>"``."""
     return APIError(400, f"{param}: {problem}", param=param)
+
+
+#: Most completions per prompt (``n``), OpenAI's limit.
+MAX_CHOICES = 128
+
+
+def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
+    """The sampling settings of a prompt's ``j``-th choice (``n`` > 1): its seed is ``seed + j``
+    (wrapping within int64), so the choices of a seeded request differ from each other and
+    choice 0 is the request with ``n`` = 1; without a seed each row draws from its own OS-seeded
+    generator. Greedy choices are all the same text, as OpenAI's."""
+    if sampling.seed is None or j == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + j - SEED_MIN) % 2**64 + SEED_MIN)
 
 
 # ------------------------------------------------------------------------------- field tables
@@ -225,7 +239,7 @@ class CommonFields(SkipFields):
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
-    n: Optional[StrictInt] = Field(None, ge=1, description="Only n=1 is supported.")
+    n: Optional[StrictInt] = Field(None, ge=1, le=MAX_CHOICES, description="Completions per prompt.")
     ignore_eos: Optional[StrictBool] = Field(False, description="EOS does not end a row (vLLM's extension).")
 
 
@@ -344,6 +358,8 @@ class ValidRequest:
         ignore_eos: generated EOS tokens do not end a row (it ends at ``max_new_tokens`` or a
             stop string).
         logprobs: None for no log-probabilities, else the alternatives per token (0..20).
+        n: completions per prompt (1..:data:`MAX_CHOICES`): choice ``k * n + j`` is prompt k's
+            j-th, sampled with seed ``seed + j`` (:func:`choice_sampling`).
     """
 
     kind: str
@@ -356,6 +372,7 @@ class ValidRequest:
     include_usage: bool
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    n: int = 1
 
 
 def _first_field(message: str, fields: Sequence[str]) -> Optional[str]:
@@ -523,7 +540,7 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
 
     Raises:
         APIError: 404 for a ``model`` other than ``model_name``; 400 with ``param`` the field for
-            an unsupported or unknown field, ``n`` > 1, ``stream_options`` without ``stream``,
+            an unsupported or unknown field, ``n`` outside 1..128, ``stream_options`` without ``stream``,
             ``top_logprobs`` without ``logprobs``, a
             bad policy (values out of range for this model), bad sampling settings, more than
             :data:`~skipdecode.limits.MAX_STOP_STRINGS` or empty ``stop`` strings
@@ -536,8 +553,6 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
         _check_extras(req.stream_options.model_extra, "stream_options", "stream_options.")
     if req.model is not None and req.model != model_name:
         raise unknown_model(req.model, model_name)
-    if req.n is not None and req.n != 1:
-        raise bad("n", f"only n=1 (one completion per prompt) is supported by this server, got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "only allowed when stream is true")
     policy, sampling = _policy(req, model), _sampling(req)
@@ -551,5 +566,5 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
         kind="chat" if chat else "text", prompts=prompts, policy=policy, sampling=sampling,
         max_new_tokens=max_new_tokens, stop=stop, stream=bool(req.stream),
         include_usage=bool(req.stream and req.stream_options is not None and req.stream_options.include_usage),
-        ignore_eos=bool(req.ignore_eos), logprobs=_logprobs(req),
+        ignore_eos=bool(req.ignore_eos), logprobs=_logprobs(req), n=req.n or 1,
     )

@@ -359,11 +359,12 @@ class _Routes:
             "model": self.model_name,
             "choices": [
                 {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.texts[0]},
-                    "finish_reason": _reason(result.finish_reasons[0]),
-                    "logprobs": None if result.logprobs is None else self._logprobs("chat", result.logprobs[0]),
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": _reason(result.finish_reasons[i]),
+                    "logprobs": None if result.logprobs is None else self._logprobs("chat", result.logprobs[i]),
                 }
+                for i, text in enumerate(result.texts)
             ],
             "usage": _usage(result),
         }

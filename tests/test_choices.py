@@ -1,0 +1,78 @@
+"""``n`` completions per prompt on the server (OpenAI's ``n``): choice indexes, per-choice seeds,
+usage counting each prompt once, streaming, and the limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import make_model, make_tokenizer
+from skipdecode.limits import SEED_MAX, SEED_MIN
+from skipdecode.model import SkipModel
+from skipdecode.protocol import MAX_CHOICES, choice_sampling
+from skipdecode.sampling import SamplingParams
+from skipdecode.server import create_app
+
+MSGS = [{"role": "user", "content": "Describe the restaurant"}]
+
+
+@pytest.fixture(scope="module")
+def sk():
+    return SkipModel(make_model("llama"), make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def client(sk):
+    return TestClient(create_app(sk, "tiny", prefix_cache=False))
+
+
+def test_choice_seeds_are_the_request_seed_plus_j_within_int64():
+    base = SamplingParams(temperature=1.0, seed=5)
+    assert [choice_sampling(base, j).seed for j in range(3)] == [5, 6, 7]
+    assert choice_sampling(SamplingParams(temperature=1.0, seed=SEED_MAX), 1).seed == SEED_MIN  # wraps
+    assert choice_sampling(SamplingParams(temperature=1.0), 2).seed is None  # unseeded: each row its own
+    assert choice_sampling(base, 2).temperature == 1.0
+
+
+def test_chat_n_choices_are_the_seeded_solo_samples(client, sk):
+    body = {"messages": MSGS, "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 11}
+    data = client.post("/v1/chat/completions", json=body).json()
+    texts = [c["message"]["content"] for c in data["choices"]]
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    want = [sk.generate([MSGS], max_new_tokens=8, temperature=1.0, seed=11 + j).texts[0] for j in range(3)]
+    assert texts == want and len(set(texts)) > 1  # seeds 11, 12, 13: different samples
+    solo = client.post("/v1/chat/completions", json={**body, "n": 1}).json()
+    assert solo["choices"][0]["message"]["content"] == texts[0]  # choice 0 is the n = 1 request
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == solo["usage"]["prompt_tokens"]  # the prompt counts once
+    assert usage["completion_tokens"] == usage["skipdecode"]["new_tokens"] >= 3
+
+
+def test_completions_n_with_a_prompt_list_orders_choices_by_prompt(client, sk):
+    prompts = ["The Eagle is", "Describe"]
+    data = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 6, "n": 2}).json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
+    greedy = sk.generate(prompts, max_new_tokens=6).texts
+    assert [c["text"] for c in data["choices"]] == [greedy[0], greedy[0], greedy[1], greedy[1]]  # greedy: alike
+
+
+def test_streamed_n_choices_equal_the_non_streamed(client):
+    body = {"messages": MSGS, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 3}
+    full = client.post("/v1/chat/completions", json=body).json()
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    texts, finishes = ["", ""], [None, None]
+    for ln in lines:
+        for c in json.loads(ln[6:])["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+            finishes[c["index"]] = c["finish_reason"] or finishes[c["index"]]
+    assert texts == [c["message"]["content"] for c in full["choices"]]
+    assert finishes == [c["finish_reason"] for c in full["choices"]]
+
+
+@pytest.mark.parametrize("n", [0, MAX_CHOICES + 1])
+def test_n_out_of_range_is_a_400_naming_it(client, n):
+    resp = client.post("/v1/completions", json={"prompt": "x", "n": n})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
