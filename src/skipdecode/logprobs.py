@@ -2,7 +2,7 @@
 and written in OpenAI's two response shapes.
 
 What a log-probability is here: ``log_softmax`` of the logits the token was drawn from, over the
-whole vocabulary, *before* temperature, top-k and top-p (the model's own distribution at that
+whole vocabulary, *before* the penalties, temperature, top-k and top-p (the model's own distribution at that
 step, as vLLM's default ``logprobs_mode="raw_logprobs"``), in float32. Under a skip policy these
 are the logits of the layers that ran at that step, so they show what skipping does to the
 model's confidence; the first token comes from the full-depth prefill. With a quantized head
@@ -25,8 +25,8 @@ decoded text), so the bytes of consecutive tokens join into the text even where 
 spans several tokens, as OpenAI intends; its string is those bytes decoded (U+FFFD for part of a
 character). Completions' ``text_offset`` counts the characters the tokens before it complete.
 Tokens the text leaves out get no entry: EOS ids (also under ``ignore_eos``) and special tokens
-(the text is decoded with ``skip_special_tokens``). The token that completed a stop string keeps its entry (as vLLM), so with ``stop`` the
-last entries can reach past the returned text.
+(the text is decoded with ``skip_special_tokens``). The token that completed a stop string keeps
+its entry (as vLLM), so with ``stop`` the last entries can reach past the returned text.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs", "completion_logprobs", "token_bytes", "chat_logprobs",
-           "logprobs_record"]
+__all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs",
+           "token_bytes", "completion_logprobs", "chat_logprobs", "logprobs_record"]
 
 #: Most alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``), OpenAI's
 #: chat limit (0-20) and vLLM's default ``max_logprobs``.

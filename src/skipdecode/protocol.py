@@ -9,8 +9,9 @@ checks that every field of those types is handled here. Each field of a request 
   ``user``, ``assistant``; content a string or a list of text parts), ``max_tokens``,
   ``max_completion_tokens`` (chat), ``temperature`` (0..2), ``top_p``, ``seed`` (int64), ``stop``
   (a string or up to 4 non-empty strings), ``frequency_penalty`` and ``presence_penalty`` (-2..2),
-  ``stream``, ``stream_options.include_usage``, ``n`` (1..128 choices per prompt), ``logprobs`` (completions: 0..20
-  alternatives; chat: true/false, with ``top_logprobs`` 0..20; :mod:`skipdecode.logprobs`);
+  ``stream``, ``stream_options.include_usage``, ``n`` (1..128 choices per prompt), ``logprobs``
+  (completions: 0..20 alternatives; chat: true/false, with ``top_logprobs`` 0..20;
+  :mod:`skipdecode.logprobs`);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
   ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, ``repetition_penalty`` (> 0,
   Hugging Face's and vLLM's), and ``ignore_eos`` (vLLM's
@@ -133,15 +134,14 @@ IGNORED_FIELDS: dict[str, frozenset[str]] = {
     "part": frozenset({"prompt_cache_breakpoint"}),
 }
 
-_PENALTIES = {"logit_bias": (None, {})}
 #: OpenAI fields this server does not implement, per place, with the values that do not ask for
 #: the feature (accepted); any other value answers 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, dict[str, tuple]] = {
     "completion": {
-        **_PENALTIES, "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+        "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     },
     "chat": {
-        **_PENALTIES, "audio": (None,),
+        "logit_bias": (None, {}), "audio": (None,),
         "modalities": (None, ["text"]), "tools": (None, []), "tool_choice": (None, "none", "auto"),
         "functions": (None, []), "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
         "prediction": (None,), "reasoning_effort": (None, "none"), "verbosity": (None,),
@@ -232,8 +232,10 @@ class CommonFields(SkipFields):
     top_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[StrictInt] = Field(None, ge=0)
     seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    frequency_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
-    presence_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    frequency_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
+                                                     allow_inf_nan=False)
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
+                                                    allow_inf_nan=False)
     repetition_penalty: Optional[StrictFloat] = Field(None, gt=0, allow_inf_nan=False,
                                                       description="Hugging Face's / vLLM's repetition penalty (1: off).")
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
