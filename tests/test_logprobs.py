@@ -51,6 +51,12 @@ def test_token_bytes_rebuild_text_whose_characters_span_tokens():
     out = completion_logprobs(entries, tok)
     assert out["tokens"] == [r.decode("utf-8", errors="replace") for r in raw]
     assert out["text_offset"] == [len(b"".join(raw[:k]).decode("utf-8", errors="ignore")) for k in range(len(ids))]
+    # invalid bytes (a character's lead byte, then another character) count as U+FFFD, as in the text
+    bad = [i for i, r in enumerate(raw) if len(r) == 1 and r[0] >= 0xC0][0]  # a lone lead byte
+    broken = token_logprobs(torch.zeros(3, tok.vocab_size), [ids[bad], ids[0], ids[-1]], [0, 0, 0])
+    broken_text = b"".join(token_bytes(tok, e.token) for e in broken).decode("utf-8", errors="replace")
+    offsets = completion_logprobs(broken, tok)["text_offset"]
+    assert broken_text[offsets[2]:] == token_bytes(tok, ids[-1]).decode("utf-8", errors="replace")
     assert out["text_offset"][-1] < len(text) and out["text_offset"] == sorted(out["text_offset"])
     later = completion_logprobs(entries[3:], tok, b"".join(raw[:3]))  # a stream's later chunk
     assert later["text_offset"] == out["text_offset"][3:]

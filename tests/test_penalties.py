@@ -28,6 +28,7 @@ def sk():
 
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 0), ("repetition_penalty", -1.0),
+                                         ("repetition_penalty", 1e-38), ("repetition_penalty", 101.0),
                                          ("repetition_penalty", float("nan")), ("repetition_penalty", True),
                                          ("frequency_penalty", 2.5), ("presence_penalty", -3), ("presence_penalty", "1")])
 def test_bad_penalties_are_refused_by_name(field, value):
@@ -80,7 +81,8 @@ def test_server_fields_equal_the_library(sk):
     got = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     want = sk.generate(["The Eagle is"], max_new_tokens=12, frequency_penalty=1.5, repetition_penalty=1.3).texts[0]
     assert got == want != sk.generate(["The Eagle is"], max_new_tokens=12).texts[0]
-    for field, value in (("frequency_penalty", 2.5), ("presence_penalty", -2.1), ("repetition_penalty", 0)):
+    for field, value in (("frequency_penalty", 2.5), ("presence_penalty", -2.1), ("repetition_penalty", 0),
+                         ("repetition_penalty", 1e-300)):
         resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == field
 

@@ -73,7 +73,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed in [-2**63, 2**63 - 1], as the server's (same seed, same tokens)."),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Hugging Face's repetition penalty over prompt and output tokens (> 0; 1: off)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Hugging Face's repetition penalty over prompt and output tokens (0.01..100; 1: off)."),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI's: subtract this times each token's count in the output so far (-2..2; 0: off)."),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI's: subtract this once from each token already in the output (-2..2; 0: off)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4, none empty)."),

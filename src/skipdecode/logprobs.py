@@ -31,6 +31,7 @@ its entry (as vLLM), so with ``stop`` the last entries can reach past the return
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
@@ -154,13 +155,17 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before
 
     ``text_offset``: the characters of the text before each token, from the bytes of the tokens
     before it (``before``: the bytes of the row's earlier tokens, for a stream's later chunks),
-    counting only characters they complete."""
+    counting the characters they complete, an invalid byte sequence as one U+FFFD each (Python's
+    incremental UTF-8 decoder with ``errors="replace"``)."""
     raw = [token_bytes(tokenizer, e.token) for e in entries]
     tokens = [b.decode("utf-8", errors="replace") for b in raw]
-    offsets, seen = [], before
+    # an incremental decoder holds back a character's first bytes until it is complete and turns
+    # invalid bytes into U+FFFD as the text's decoding does: its output length is each offset
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, chars = [], len(decoder.decode(before))
     for b in raw:
-        offsets.append(len(seen.decode("utf-8", errors="ignore")))
-        seen += b
+        offsets.append(chars)
+        chars += len(decoder.decode(b))
     top = []
     for e, s in zip(entries, tokens):
         alts = {_text(tokenizer, t): lp for t, lp in e.top}

@@ -13,7 +13,7 @@ checks that every field of those types is handled here. Each field of a request 
   (completions: 0..20 alternatives; chat: true/false, with ``top_logprobs`` 0..20;
   :mod:`skipdecode.logprobs`);
 - **ours** (SkipDecode extensions): ``speedup``, ``max_layers``, ``min_layers``,
-  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, ``repetition_penalty`` (> 0,
+  ``warmup_layers``, ``horizon``, ``full_depth_steps``, ``top_k``, ``repetition_penalty`` (0.01..100,
   Hugging Face's and vLLM's), and ``ignore_eos`` (vLLM's
   extension of the same name: EOS does not end a row, so it runs to ``max_tokens`` or a stop
   string; load tests use it to give every request the same number of new tokens);
@@ -44,7 +44,7 @@ from .limits import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, check_stop
 from .logprobs import MAX_LOGPROBS
 from .policy import SkipPolicy
 from .prompts import encode_prompt
-from .sampling import PENALTY_RANGE, SamplingParams
+from .sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SamplingParams
 
 __all__ = [
     "APIError",
@@ -236,7 +236,8 @@ class CommonFields(SkipFields):
                                                      allow_inf_nan=False)
     presence_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
                                                     allow_inf_nan=False)
-    repetition_penalty: Optional[StrictFloat] = Field(None, gt=0, allow_inf_nan=False,
+    repetition_penalty: Optional[StrictFloat] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                                      allow_inf_nan=False,
                                                       description="Hugging Face's / vLLM's repetition penalty (1: off).")
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     stream: Optional[StrictBool] = False

@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 from .limits import SEED_MAX, SEED_MIN
 from .selection import argmax_last
 
-__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE", "PENALTY_RANGE"]
+__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE", "PENALTY_RANGE", "REPETITION_PENALTY_RANGE"]
 
 #: Temperatures below this decode greedily (argmax), as vLLM (``_SAMPLING_EPS = 1e-5`` in
 #: ``vllm/sampling_params.py``) and SGLang do. Below it ``logits / temperature`` leaves float32's
@@ -34,6 +34,9 @@ __all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE", "PENALTY_RANGE"]
 GREEDY_TEMPERATURE = 1e-5
 #: The range of ``frequency_penalty`` and ``presence_penalty`` (OpenAI API reference: -2.0 to 2.0).
 PENALTY_RANGE = (-2.0, 2.0)
+#: The range of ``repetition_penalty``: > 0 in Hugging Face and vLLM; bounded here so that a penalised
+#: logit stays finite in float32 (dividing by 1e-38 overflows, and sampling then fails).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class SamplingParams:
             an integer in [:data:`~skipdecode.limits.SEED_MIN`, :data:`~skipdecode.limits.SEED_MAX`]
             = [-2**63, 2**63 - 1] (int64, OpenAI's ``seed``; the server and the CLI take the same
             range).
-        repetition_penalty: > 0; 1 is off. Hugging Face's ``RepetitionPenaltyLogitsProcessor``
+        repetition_penalty: in [0.01, 100] (:data:`REPETITION_PENALTY_RANGE`); 1 is off. Hugging Face's ``RepetitionPenaltyLogitsProcessor``
             (CTRL, Keskar et al. 2019): every token already in the prompt or the output has its
             logit divided by it when positive, multiplied when negative (vLLM's
             ``repetition_penalty``).
@@ -86,9 +89,9 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):  # one range for the API, the CLI and the server (skipdecode.limits)
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64) or None, got {self.seed!r}")
-        rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {rp!r}")
+        rp, (lo, hi) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not lo <= rp <= hi:
+            raise ValueError(f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (1: off), got {rp!r}")
         low, high = PENALTY_RANGE
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
