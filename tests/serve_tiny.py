@@ -1,10 +1,13 @@
 """Serve the tiny random llama of conftest on loopback (for tests/test_server_loopback.py).
 
     python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
-                                [--step-delay S] [--no-prefix-cache] [--chain]
+                                [--step-delay S] [--no-prefix-cache] [--chain] [--fail-seed S]
 
 ``--chain`` serves conftest's chain model instead (after ``CHAIN_PROMPT`` it writes ``CHAIN_TEXT``,
 then EOS, then ``CHAIN_TEXT`` again), for tests that need a known answer length.
+
+``--fail-seed S`` makes the rows of requests with sampling seed S fail in the engine (their sampler
+raises), for the failure-isolation tests.
 
 ``--step-delay S`` sleeps S seconds in every forward pass of the engine, so that the tiny model
 decodes at the pace of a real one and a test can observe what happens *during* a long generation.
@@ -34,6 +37,23 @@ CHAIN_PROMPT = "Describe the restaurant:"
 CHAIN_TEXT = "The Eagle is a coffee shop"
 
 
+def fail_rows_seeded(seed: int) -> None:
+    """Rows whose sampling seed is ``seed`` cannot draw a token (their sampler raises as a NaN in
+    their own logits would): a request that fails inside the engine, for the failure-isolation
+    tests."""
+    import skipdecode.engine as engine_module
+    from skipdecode.sampling import Sampler
+
+    class FailingSampler(Sampler):
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("NaN in logits: refusing to sample")
+
+    def make(params, device="cpu"):
+        return (FailingSampler if params.seed == seed else Sampler)(params, device=device)
+
+    engine_module.Sampler = make
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
@@ -45,6 +65,7 @@ def main() -> None:
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--chain", action="store_true")
     parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--fail-seed", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -59,6 +80,8 @@ def main() -> None:
                 return _real(*a, **kw)
 
             module.skip_forward = slow
+    if args.fail_seed is not None:
+        fail_rows_seeded(args.fail_seed)
     kwargs = {}
     if args.serial or args.max_batch_size != 32 or args.max_waiting != 256 or args.cohort_size != 1:
         kwargs = dict(serial=args.serial, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting,

@@ -264,6 +264,37 @@ def test_concurrent_requests_with_n_choices_get_their_seeded_solo_samples(server
         assert texts == want
 
 
+def test_a_request_that_fails_in_the_engine_fails_alone():
+    """A server whose rows with seed 666 cannot draw a token (tests/serve_tiny.py --fail-seed): that
+    request gets a 500 (streamed: an error event) while 6 concurrent requests get their answers,
+    and the server keeps serving."""
+    proc, url = start_server("--fail-seed", "666", "--step-delay", str(STEP_DELAY))
+    sk = SkipModel(make_model("llama"), make_tokenizer())
+    try:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                good = [asyncio.create_task(c.post("/v1/completions", json={"prompt": f"The Eagle {i} is a",
+                                                                            "max_tokens": 40}))
+                        for i in range(6)]
+                await asyncio.sleep(0.3)  # the good rows are decoding when the bad ones join and fail
+                bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 12, "temperature": 1.0,
+                                                      "seed": 666})
+                bad_stream = c.post("/v1/completions", json={"prompt": "y", "max_tokens": 12, "temperature": 1.0,
+                                                             "seed": 666, "stream": True})
+                return await asyncio.gather(bad, bad_stream, *good)
+
+        bad, bad_stream, *good = run(scenario(), 90)
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+        assert bad_stream.status_code == 200 and '"server_error"' in bad_stream.text
+        assert bad_stream.text.rstrip().endswith("data: [DONE]")
+        for i, resp in enumerate(good):
+            want = sk.generate([f"The Eagle {i} is a"], max_new_tokens=40).texts[0]
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == want
+        assert httpx.post(url + "/v1/completions", json={"prompt": "The", "max_tokens": 2}, timeout=30).status_code == 200
+    finally:
+        stop_server(proc)
+
+
 def test_disconnect_mid_stream_frees_the_only_slot(serial_server):
     async def scenario():
         async with httpx.AsyncClient(base_url=serial_server, timeout=30) as c:

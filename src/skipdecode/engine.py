@@ -160,10 +160,16 @@ class Engine:
             with a budget of :data:`~skipdecode.prefix_cache.DEFAULT_PREFIX_TOKENS` tokens, an
             integer for that budget (tokens), False or 0 for off. Joining requests whose prompts
             start with a stored prefix prefill only the rest of the prompt; outputs are unchanged.
+        isolate_failures: a row whose token cannot be drawn (its sampler raises, e.g. NaN in its
+            own logits) ends with reason "error" and goes to :attr:`failures` while the other rows
+            go on (the server: one request's failure never fails the others); False (default):
+            :meth:`step` raises, as a library call should.
 
     Attributes:
         prefix_cache: the :class:`~skipdecode.prefix_cache.PrefixCache`, or None when off; its
             ``stats()`` are the engine's prefix-cache statistics.
+        failures: with ``isolate_failures``, ``(row, exception)`` of each row ended that way since
+            the caller last emptied it (the scheduler delivers and clears them after each step).
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``],
@@ -172,7 +178,8 @@ class Engine:
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
-                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0,
+                 isolate_failures: bool = False) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
@@ -197,6 +204,8 @@ class Engine:
         self.decode_seconds = 0.0
         self.decode_steps = 0  # steps that decoded at least one row
         self._cancelled: set[int] = set()
+        self.isolate_failures = isolate_failures
+        self.failures: list[tuple[Row, BaseException]] = []
 
     # -- queue -------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -405,9 +414,15 @@ class Engine:
     def _emit(self, rows: list[Row], logits: torch.Tensor, counts: list[int], start: float) -> list[TokenEvent]:
         """Sample one token per row from ``logits`` (B, V), record it, end rows that are done."""
         tokens = self._sample(rows, logits)
-        logprobs = requested_logprobs([r.request.logprobs for r in rows], logits, tokens)
+        failed = {i for i, t in enumerate(tokens) if isinstance(t, BaseException)}
+        logprobs = requested_logprobs([None if i in failed else r.request.logprobs for i, r in enumerate(rows)],
+                                      logits, [0 if i in failed else t for i, t in enumerate(tokens)])
         events = []
         for i, (row, token) in enumerate(zip(rows, tokens)):
+            if i in failed:  # isolate_failures: this row ends here, the others go on
+                row.finished, row.reason = True, "error"
+                self.failures.append((row, token))
+                continue
             row.tokens.append(token)
             req = row.request
             if token in req.eos_token_ids:
@@ -427,21 +442,32 @@ class Engine:
                 self._release(row)
         return events
 
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int | BaseException]:
         """Greedy rows without penalties by one argmax; the others each with their own sampler
-        and history (prompt, then the row's tokens)."""
+        and history (prompt, then the row's tokens). With ``isolate_failures`` a row whose
+        sampler raises gets the exception instead of a token (a failed greedy batch is redrawn
+        row by row to find it); otherwise the exception propagates."""
         alone = [r.sampler.params.greedy and not r.sampler.params.penalized for r in rows]
         greedy = [i for i, a in enumerate(alone) if a]
-        out = [0] * len(rows)
+        out: list[int | BaseException] = [0] * len(rows)
         if greedy:
             chosen = logits if len(greedy) == len(rows) else logits.index_select(0, torch.tensor(greedy, device=logits.device))
-            picked = rows[greedy[0]].sampler(chosen).tolist()
-            for i, t in zip(greedy, picked):
-                out[i] = t
+            try:
+                for i, t in zip(greedy, rows[greedy[0]].sampler(chosen).tolist()):
+                    out[i] = t
+            except (RuntimeError, ValueError):
+                if not self.isolate_failures:
+                    raise
+                alone = [False] * len(rows)  # find the failing rows one by one below
         for i, r in enumerate(rows):
             if not alone[i]:
                 history = torch.tensor([list(r.request.prompt_ids) + r.tokens], device=logits.device)
-                out[i] = int(r.sampler(logits[i : i + 1], history, len(r.tokens))[0])
+                try:
+                    out[i] = int(r.sampler(logits[i : i + 1], history, len(r.tokens))[0])
+                except (RuntimeError, ValueError) as exc:
+                    if not self.isolate_failures:
+                        raise
+                    out[i] = exc
         return out
 
     def run(self, requests: Sequence[Request], on_event: Callable[[TokenEvent], None] | None = None) -> list[Row]:

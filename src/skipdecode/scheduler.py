@@ -82,7 +82,7 @@ class Scheduler:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
         self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
-        self.engine = Engine(adapter, max_batch_size, **self._engine_options)
+        self.engine = Engine(adapter, max_batch_size, isolate_failures=True, **self._engine_options)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.cancelled = 0
@@ -187,9 +187,31 @@ class Scheduler:
                 for ev in events:
                     if ev.finished:
                         self._sinks.pop(id(ev.row.request), None)
+                failed = self._take_failures()
             for sink, ev in sinks:
                 if sink is not None:
                     sink(ev)
+            for sink, exc in failed:
+                sink(exc)
+
+    def _take_failures(self) -> list[tuple[Sink, BaseException]]:
+        """Under the lock: the engine's rows that failed alone (``Engine.failures``), one
+        ``(sink, exception)`` per caller; the caller's other rows are cancelled (its request has
+        failed) and forgotten, so it hears of nothing after the exception."""
+        out = []
+        for row, exc in self.engine.failures:
+            sink = self._sinks.pop(id(row.request), None)
+            if sink is None:
+                continue  # a row of a caller that failed earlier in this step
+            siblings = {k for k, s in self._sinks.items() if s is sink}
+            for r in [r.request for r in self.engine.running] + list(self.engine.waiting):
+                if id(r) in siblings:
+                    self.engine.cancel(r)
+            for key in siblings:
+                self._sinks.pop(key)
+            out.append((sink, exc))
+        self.engine.failures.clear()
+        return out
 
     def _fail(self, exc: Exception) -> None:
         """Give ``exc`` to every request the engine held (running, joining or waiting; not those
@@ -197,7 +219,7 @@ class Scheduler:
         with self._lock:
             queued = {id(r) for r in self._inbox}
             sinks = [self._sinks.pop(k) for k in list(self._sinks) if k not in queued]
-            self.engine = Engine(self.adapter, self.max_batch_size, **self._engine_options)
+            self.engine = Engine(self.adapter, self.max_batch_size, isolate_failures=True, **self._engine_options)
         for sink in sinks:
             if sink is not None:
                 sink(exc)
