@@ -393,6 +393,7 @@ def test_generate_logprobs(runner, chain_dir):
     entries = data["logprobs"][0]
     assert data["finish_reasons"] == ["eos"] and [e["token"] for e in entries] == data["token_ids"][0][:-1]
     assert "".join(e["text"] for e in entries) == data["texts"][0] == TARGET
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8") == TARGET
     assert all(len(e["top"]) == 2 and e["top"][0]["token"] == e["token"] for e in entries)  # greedy: the top one
     assert all(e["logprob"] >= e["top"][1]["logprob"] for e in entries)
     res = invoke(runner, ["generate", CHAIN_PROMPT, "--model", str(chain_dir), "-n", "20", "--logprobs", "0"])

@@ -316,16 +316,27 @@ NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the emb
 
 def print_logprobs(rows: list, tokenizer) -> None:
     """One table per prompt of ``rows`` (per prompt, its :class:`~skipdecode.logprobs.TokenLogprobs`):
-    each token's text, log-probability, probability and alternatives (``generate --logprobs``)."""
+    each token's text, log-probability, probability and alternatives (``generate --logprobs``); a
+    token holding only part of a character shows its bytes (``b'\\xe3\\x82'``)."""
     import math
 
+    from rich.markup import escape
     from rich.table import Table
+
+    from .logprobs import token_bytes
+
+    def shown(token: int) -> str:
+        raw = token_bytes(tokenizer, token)
+        try:
+            return escape(repr(raw.decode("utf-8")))
+        except UnicodeDecodeError:
+            return escape(repr(raw))
 
     for i, entries in enumerate(rows):
         table = Table(title=f"[{i}] log-probabilities", title_justify="left")
         for col in ("token", "logprob", "p", "alternatives"):
             table.add_column(col, justify="right" if col in ("logprob", "p") else "left")
         for e in entries:
-            alts = "  ".join(f"{tokenizer.decode([t])!r} {lp:.2f}" for t, lp in e.top)
-            table.add_row(repr(tokenizer.decode([e.token])), f"{e.logprob:.3f}", f"{math.exp(e.logprob):.3f}", alts)
+            alts = "  ".join(f"{shown(t)} {lp:.2f}" for t, lp in e.top)
+            table.add_row(shown(e.token), f"{e.logprob:.3f}", f"{math.exp(e.logprob):.3f}", alts)
         out.print(table)

@@ -189,9 +189,11 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str,
 
 def logprobs_record(entries: Sequence[TokenLogprobs], tokenizer: Any) -> list[dict[str, Any]]:
     """``entries`` as JSON-ready dicts (``skipdecode generate --logprobs N --json``): per token
-    ``{"token": id, "text", "logprob", "top": [{"token": id, "text", "logprob"}]}``, ``text`` the
-    token's bytes decoded (:func:`token_bytes`)."""
+    ``{"token": id, "text", "bytes", "logprob", "top": [{"token": id, "text", "bytes", "logprob"}]}``,
+    ``bytes`` the token's own (:func:`token_bytes`) and ``text`` those decoded."""
     def one(token: int, logprob: float) -> dict[str, Any]:
-        return {"token": token, "text": _text(tokenizer, token), "logprob": logprob}
+        raw = token_bytes(tokenizer, token)
+        return {"token": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                "logprob": logprob}
 
     return [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]} for e in entries]
