@@ -76,3 +76,12 @@ def test_streamed_n_choices_equal_the_non_streamed(client):
 def test_n_out_of_range_is_a_400_naming_it(client, n):
     resp = client.post("/v1/completions", json={"prompt": "x", "n": n})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+
+
+def test_more_rows_than_the_server_ever_holds_is_a_400_not_a_429(sk):
+    """prompts x n above --max-waiting + --max-batch-size could never be queued: a retry cannot help."""
+    small = TestClient(create_app(sk, "tiny", max_batch_size=2, max_waiting=4))
+    resp = small.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "n": 4})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+    assert "need 8 rows" in resp.json()["error"]["message"]
+    assert small.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "n": 3}).status_code == 200

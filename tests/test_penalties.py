@@ -4,6 +4,7 @@ and in flight, and the server and CLI fields."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -111,3 +112,22 @@ def test_left_padding_is_not_part_of_a_rows_history():
     samplers = [Sampler(SamplingParams(repetition_penalty=5.0)) for _ in range(2)]
     assert sample_rows(samplers, logits, ids, starts=[2, 0]).tolist() == [0, 0]
     assert sample_rows(samplers, logits, ids).tolist() == [1, 0]  # what counting the padding would do
+
+
+def test_plain_greedy_keeps_no_history(sk, monkeypatch):
+    """Only the warpers and the penalties read a row's history: plain greedy decoding does not
+    grow it (one concatenation per step), penalised greedy decoding does."""
+    gen = importlib.import_module("skipdecode.generate")
+    widths = []
+    real = gen.sample_rows
+
+    def spy(samplers, logits, input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[1])
+        return real(samplers, logits, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "sample_rows", spy)
+    sk.generate(["The Eagle is"], max_new_tokens=5, chat=False)
+    assert len(set(widths)) == 1
+    widths.clear()
+    sk.generate(["The Eagle is"], max_new_tokens=5, chat=False, presence_penalty=1.0)
+    assert widths == list(range(widths[0], widths[0] + 5))

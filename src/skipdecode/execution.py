@@ -152,12 +152,18 @@ class Executor:
         :func:`~skipdecode.protocol.choice_sampling`); call it on the event loop.
 
         Raises:
-            ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``); nothing is queued.
+            ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``), or the
+                request's rows (prompts x ``n``) exceed what the scheduler ever holds (names ``n``);
+                nothing is queued.
             QueueFull: the waiting queue is full (the server answers 429).
         """
         tok = self.model.tokenizer
         n = getattr(job, "n", 1)
         rows = [(ids, j) for ids in job.prompts for j in range(n)]  # row k * n + j: prompt k's choice j
+        room = self.scheduler.max_waiting + self.scheduler.max_batch_size
+        if len(rows) > room:  # never fits, however long the client retries: a 400, not a 429
+            raise ValueError(f"n: {len(job.prompts)} prompt(s) x n={n} need {len(rows)} rows, more than this "
+                             f"server ever holds ({room}: --max-waiting + --max-batch-size)")
         # ignore_eos: EOS ends no row (RowText still leaves EOS tokens out of the text)
         texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not job.ignore_eos) for _ in rows]
         ends = () if job.ignore_eos else tuple(self.eos_token_ids)

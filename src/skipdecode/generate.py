@@ -143,8 +143,8 @@ def generate_step(
     # one generator per row (each seeded with the seed): a row's samples never depend on its
     # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
     params = sampling or SamplingParams()
-    history = not params.greedy or params.penalized  # the warpers and the penalties read it
-    samplers = [Sampler(params, device=device) for _ in range(B if history else 1)]
+    keep_history = not params.greedy or params.penalized  # the warpers and the penalties read it
+    samplers = [Sampler(params, device=device) for _ in range(B if keep_history else 1)]
     starts = (P - attention_mask.sum(-1)).tolist()  # left padding per row: not part of its history
     cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
@@ -190,7 +190,7 @@ def generate_step(
         if bool(finished.all()):
             return
         tokens = next_tokens[:, None]
-        if history:  # only the logits warpers and the penalties read it
+        if keep_history:  # only the logits warpers and the penalties read it
             all_ids = torch.cat([all_ids, tokens], dim=1)
 
 

@@ -24,6 +24,8 @@ GPT-2's byte-to-unicode table inverted; ``<0xHH>`` byte-fallback pieces; else th
 decoded text), so the bytes of consecutive tokens join into the text even where one character
 spans several tokens, as OpenAI intends; its string is those bytes decoded (U+FFFD for part of a
 character). Completions' ``text_offset`` counts the characters the tokens before it complete.
+(SentencePiece tokenizers: a piece's "▁" reads as a space, also on a row's first token, whose
+leading space the text's decoding strips, so there the joined bytes hold one extra leading space.)
 Tokens the text leaves out get no entry: EOS ids (also under ``ignore_eos``) and special tokens
 (the text is decoded with ``skip_special_tokens``). The token that completed a stop string keeps
 its entry (as vLLM), so with ``stop`` the last entries can reach past the returned text.

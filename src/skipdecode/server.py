@@ -166,7 +166,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _engine_param(message: str, kind: str) -> Optional[str]:
     """The request field an engine ValueError ``message`` blames (``kind``: "chat" or "text")."""
     prompt_field = "messages" if kind == "chat" else "prompt"
-    return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop"})
+    return _param_in(message, {"max_new_tokens": "max_tokens", "prompts": prompt_field, "stop": "stop", "n": "n"})
 
 
 def _reason(r: str) -> str:
