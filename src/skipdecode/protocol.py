@@ -339,8 +339,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
 
 # -------------------------------------------------------------------------------- validation
 _POLICY_FIELDS = ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty")
+_PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", *_PENALTY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -411,7 +411,7 @@ def _sampling(req: CommonFields) -> SamplingParams:
     if top_p == 0:  # a nucleus of mass 0 holds only the most likely token: greedy
         temperature, top_p = 0.0, 1.0
     try:
-        penalties = {k: getattr(req, k) for k in _SAMPLING_FIELDS[4:] if getattr(req, k) is not None}
+        penalties = {k: getattr(req, k) for k in _PENALTY_FIELDS if getattr(req, k) is not None}
         return SamplingParams(temperature=temperature, top_k=req.top_k or 0, top_p=top_p, seed=req.seed, **penalties)
     except ValueError as e:
         raise _named(e, _SAMPLING_FIELDS, "temperature") from None

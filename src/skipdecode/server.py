@@ -282,7 +282,8 @@ class _Routes:
                 choice = {"index": i, "text": text or "", "finish_reason": finish}
             if entries:
                 choice["logprobs"] = self._logprobs(kind, entries, sent[i])
-                sent[i] += b"".join(token_bytes(self.model.tokenizer, e.token) for e in entries)
+                if kind != "chat":  # only completions' text_offset reads it
+                    sent[i] += b"".join(token_bytes(self.model.tokenizer, e.token) for e in entries)
             return sse([choice])
 
         try:
