@@ -257,3 +257,23 @@ def test_samples_differ_between_seeds_server(client, stream):
 
     a, b, c = text(7), text(7), text(8)
     assert a == b and a != c
+
+
+def test_top_p_zero_is_greedy_everywhere(sharp_sk, sharp_dir):
+    """top_p 0 (OpenAI's range is [0, 1]) means a nucleus of the most likely token alone: the API,
+    the CLI and the server all take it and decode greedily at any temperature (they used to
+    disagree: the server took it, the API and the CLI refused it)."""
+    from skipdecode.sampling import Sampler, SamplingParams
+
+    params = SamplingParams(temperature=1.5, top_p=0)
+    assert params.greedy and not SamplingParams(temperature=1.5, top_p=1e-6).greedy
+    assert len(Sampler(params).warpers) == 0
+    greedy = sharp_sk.generate(PROMPT, max_new_tokens=12)
+    assert sharp_sk.generate(PROMPT, max_new_tokens=12, temperature=1.5, top_p=0, seed=3).token_ids == greedy.token_ids
+    assert cli(sharp_dir, "-n", "12", "--temperature", "1.5", "--top-p", "0", "--seed", "3")["token_ids"] == greedy.token_ids
+    client = TestClient(create_app(sharp_sk, "tiny"))
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5, "seed": 3}
+    zero = client.post("/v1/completions", json={**body, "top_p": 0}).json()["choices"][0]["text"]
+    assert zero == client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    with pytest.raises(ValueError, match=r"top_p must be in \[0, 1\]"):
+        SamplingParams(top_p=-0.1)

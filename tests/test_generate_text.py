@@ -186,12 +186,15 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(sk):
     nucleus = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP, temperature=1.5, top_p=1e-6, seed=3)
     assert top1.token_ids == greedy.token_ids
     assert nucleus.token_ids == greedy.token_ids
+    # top_p 0 (OpenAI's API allows it; the server, the CLI and the API agree): greedy at any temperature
+    zero = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP, temperature=1.5, top_p=0, seed=3)
+    assert zero.token_ids == greedy.token_ids
 
 
 @pytest.mark.parametrize("field,kwargs", [
     ("temperature", {"temperature": -1.0}),
     ("top_k", {"top_k": -1}),
-    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": -0.5}),
     ("top_p", {"top_p": 1.5}),
     ("seed", {"seed": 1.5}),
 ])

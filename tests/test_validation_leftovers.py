@@ -186,8 +186,8 @@ def test_calm_threshold_range_in_the_python_api():
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--top-p", "2"], ["--top-p must be in (0, 1]", "2.0"]),
-    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),
+    (["--top-p", "2"], ["--top-p must be in [0, 1]", "2.0"]),
+    (["--top-p", "-0.5"], ["--top-p must be in [0, 1]"]),
     (["--top-k", "-1"], ["--top-k must be an integer >= 0"]),
     (["--temperature", "-1"], ["--temperature must be a finite number >= 0"]),
     (["--temperature", "inf"], ["--temperature must be a finite number >= 0"]),

@@ -103,7 +103,7 @@ OPTION_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--
 
 def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
     """The message of a library ``error`` whose first word is a field name (``"top_p must be in
-    (0, 1], got 2.0"``) with that word replaced by its CLI option (``"--top-p must be ..."``); other
+    [0, 1], got 2.0"``) with that word replaced by its CLI option (``"--top-p must be ..."``); other
     messages unchanged."""
     message = str(error)
     head, sep, rest = message.partition(" ")

@@ -407,9 +407,7 @@ def _policy(req: CommonFields, model: Any) -> SkipPolicy:
 
 def _sampling(req: CommonFields) -> SamplingParams:
     temperature = 0.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if top_p == 0:  # a nucleus of mass 0 holds only the most likely token: greedy
-        temperature, top_p = 0.0, 1.0
+    top_p = 1.0 if req.top_p is None else req.top_p  # 0: greedy (SamplingParams.greedy)
     try:
         penalties = {k: getattr(req, k) for k in _PENALTY_FIELDS if getattr(req, k) is not None}
         return SamplingParams(temperature=temperature, top_k=req.top_k or 0, top_p=top_p, seed=req.seed, **penalties)

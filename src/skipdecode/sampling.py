@@ -48,7 +48,8 @@ class SamplingParams:
             API, CLI and server all decode a degenerate temperature such as 1e-38 greedily; from
             1e-5 on, samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0: no limit).
-        top_p: nucleus sampling mass in (0, 1] (1: no limit).
+        top_p: nucleus sampling mass in [0, 1] (1: no limit; 0: a nucleus of the most likely
+            token alone, so greedy whatever the temperature, as OpenAI's API allows).
         seed: seed of the sampling generator (None: nondeterministic); same seed, same tokens;
             an integer in [:data:`~skipdecode.limits.SEED_MIN`, :data:`~skipdecode.limits.SEED_MAX`]
             = [-2**63, 2**63 - 1] (int64, OpenAI's ``seed``; the server and the CLI take the same
@@ -83,8 +84,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):  # one range for the API, the CLI and the server (skipdecode.limits)
@@ -100,8 +101,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included)."""
-        return self.temperature < GREEDY_TEMPERATURE
+        """True when decoding is argmax: ``temperature < GREEDY_TEMPERATURE`` (0 included), or
+        ``top_p`` 0 (a nucleus that holds only the most likely token)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p == 0
 
     @property
     def penalized(self) -> bool:
@@ -115,7 +117,7 @@ class Sampler:
 
     Args:
         params: temperature / top-k / top-p / seed; greedy (argmax) when ``params.greedy``
-            (temperature below :data:`GREEDY_TEMPERATURE`).
+            (temperature below :data:`GREEDY_TEMPERATURE`, or top-p 0).
             Warping uses Hugging Face's ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
             ``TopPLogitsWarper`` in that order, as ``transformers.generate`` does.
         device: device of the ``torch.Generator`` (that of the logits); seeded with
