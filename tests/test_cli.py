@@ -122,6 +122,8 @@ def test_saved_policy_is_picked_up(runner, chain_dir):
     info = json.loads(invoke(runner, ["info", "--model", str(chain_dir), "--json"]).stdout)
     assert info["policy"] == SAVED_POLICY.to_dict() and info["num_layers"] == NUM_LAYERS
     assert info["model_type"] == "llama"
+    # the generic --speedup schedules' horizon has its own name, apart from the policy's horizon
+    assert info["speedup_horizon"] == load(str(chain_dir)).horizon and "horizon" not in info
 
 
 def test_load_policy_override_and_weights_round_trip(chain_dir, tokenizer):
@@ -166,7 +168,7 @@ def test_stop_and_sampling_flags(runner, chain_dir, random_dir):
     "extra,option",
     [
         (["--top-p", "3"], "top_p"),
-        (["--top-p", "0"], "top_p"),
+        (["--top-p", "-0.1"], "top_p"),
         (["--temperature", "-1"], "temperature"),
         (["--speedup", "0.5"], "speedup"),
         (["--speedup", "100"], "speedup"),
@@ -333,6 +335,39 @@ def test_console_entry_point_success_and_help_exit_0(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0 and "generate" in capsys.readouterr().out
+
+
+def test_console_entry_point_without_arguments_prints_help_and_no_empty_error(capsys):
+    """``skipdecode`` alone shows the command list (exit 2, as click's no-arguments help), without
+    an empty ``error:`` line after it."""
+    from skipdecode.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([])
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and "generate" in captured.out and "serve" in captured.out
+    assert "error" not in captured.err, captured.err
+
+
+def test_version_option(capsys):
+    from skipdecode import __version__
+    from skipdecode.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"skipdecode {__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "serve", "bench", "train"])
+def test_help_at_80_columns_cuts_no_option_name(command):
+    """Help on an 80-column terminal (or a pipe) wraps, never ellipsizes option names (rich's
+    tables cut ``--repetition-penalty`` to ``--repetition-pena…``)."""
+    res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "\u2026" not in res.output
+    if command == "generate":
+        for option in ("--repetition-penalty", "--frequency-penalty", "--presence-penalty", "--logprobs"):
+            assert option in res.output, option
 
 
 def test_serve_rejects_zero_threads_before_loading(runner, tmp_path):

@@ -212,6 +212,8 @@ def test_eval_model_help_says_its_default_is_the_stock_weights():
                      "'--model default' evaluates the embedded model with its 2x skip adapter merged"):
         assert "".join(fragment.split()) in text, res.output
     assert "(default:embeddedSmolLM2-135M-Instruct)" not in text
+    # its --no-adapter help does not repeat the other commands' "merged by default"
+    assert "eval'sdefaultmodel,'stock',neverhasit" in text and "mergedbydefault" not in text
 
 
 def test_eval_data_folder_names_the_option(saved, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 from .cli_common import (  # noqa: E402  (shared with cli_bench)
     COHORT_HELP,
@@ -48,6 +49,22 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
 )
 from .cli_eval_options import check_eval_rows, check_eval_run, eval_error_message, eval_items  # noqa: E402
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        out.print(f"skipdecode {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print skipdecode's version and exit."),
+) -> None:
+    """SkipDecode (arXiv 2307.02628): batch- and KV-cache-compatible layer skipping for fast decoding."""
+
 #: ``eval --model``'s help: unlike generate/bench/serve, its default is the stock weights.
 TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory or .gguf file. Default: the embedded "
                     "SmolLM2-135M-Instruct's stock weights (training never starts from a shipped skip adapter).")
@@ -55,6 +72,10 @@ EVAL_MODEL_HELP = ("HF model id, checkpoint directory or .gguf file; repeatable.
                    "SmolLM2-135M-Instruct WITHOUT its skip adapter (its stock weights; generate, bench and "
                    "serve merge the adapter by default). '--model default' evaluates the embedded model with its "
                    "2x skip adapter merged; '--model stock --model default' compares the two.")
+#: ``eval --no-adapter``'s help (the other commands' NO_ADAPTER_HELP says the adapter is merged by default).
+EVAL_NO_ADAPTER_HELP = ("Do not merge a model's shipped skip adapter. eval's default model, 'stock', never has it; "
+                        "'--model default' (the embedded SmolLM2-135M-Instruct with its 2x adapter) runs without it "
+                        "under this flag.")
 
 
 @app.command()
@@ -71,7 +92,7 @@ def generate(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1] (1: off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in [0, 1] (1: off; 0: the most likely token only, i.e. greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed in [-2**63, 2**63 - 1], as the server's (same seed, same tokens)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Hugging Face's repetition penalty over prompt and output tokens (0.01..100; 1: off)."),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI's: subtract this times each token's count in the output so far (-2..2; 0: off)."),
@@ -268,7 +289,7 @@ def eval_command(
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
     cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="With --inflight: " + PREFIX_CACHE_HELP),
-    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " 'stock' always runs without it; 'default' is the embedded model with it."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=EVAL_NO_ADAPTER_HELP),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values (as given, the same folder spelled otherwise, or its label in the table, e.g. NAME#2 for a second copy), e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
@@ -557,6 +578,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     except TyperException as e:
         if not hasattr(e, "format_message"):
             raise
+        if type(e).__name__ == "NoArgsIsHelpError":  # `skipdecode` alone: its help, as click's own
+            out.print(e.ctx.get_help(), markup=False, highlight=False)
+            raise SystemExit(getattr(e, "exit_code", 2)) from None
         ctx = getattr(e, "ctx", None)  # usage errors carry the command: point to its --help
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(hint)}", highlight=False)

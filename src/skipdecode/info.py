@@ -32,14 +32,15 @@ def _entry_bridge_info(sk: Any) -> dict | None:
 
 def model_info(sk: Any) -> dict[str, Any]:
     """The full record of ``skipdecode info --json`` for the :class:`~skipdecode.model.SkipModel`
-    ``sk``: ``source``, ``model_type``, ``num_layers`` (layers), ``policy`` (its ``to_dict()``), ``horizon`` (tokens: the
-    default horizon ``--speedup`` schedules use),
+    ``sk``: ``source``, ``model_type``, ``num_layers`` (layers), ``policy`` (its ``to_dict()``: the model's default
+    schedule), ``speedup_horizon`` (tokens: the horizon of the generic schedules ``--speedup``
+    builds where the model has no schedule of its own for that speedup; not the default schedule's),
     ``chat``, ``quantize`` (``"int8"``/``"int4"`` or None), ``dtype`` (of the float weights, e.g.
     ``"float32"``), ``skip_adapter`` (None without one),
     ``entry_bridge`` (None without one) and ``skip_config`` (the checkpoint's ``skipdecode.json``
     without the ``skip_adapter`` entry, which is reported on its own)."""
     return {"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
-            "policy": sk.policy.to_dict(), "horizon": sk.horizon, "chat": sk.chat, "quantize": sk.quantize,
+            "policy": sk.policy.to_dict(), "speedup_horizon": sk.horizon, "chat": sk.chat, "quantize": sk.quantize,
             "dtype": str(getattr(sk.model, "dtype", "")).replace("torch.", ""),
             "skip_adapter": sk.skip_config.get("skip_adapter"), "entry_bridge": _entry_bridge_info(sk),
             "skip_config": {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}}
@@ -135,14 +136,14 @@ GENERIC_SPEEDUPS = (2, 3, 5)
 
 def _generic_lines(record: dict[str, Any], trained: dict[str, Any]) -> list[str]:
     """Lines for the :data:`GENERIC_SPEEDUPS` without a trained schedule: what ``--speedup S``
-    runs for them, :func:`skipdecode.policy.for_speedup` over the record's ``horizon`` (tokens;
+    runs for them, :func:`skipdecode.policy.for_speedup` over the record's ``speedup_horizon`` (tokens;
     :attr:`skipdecode.model.SkipModel.horizon`), marked "not
     trained for" when the model has trained schedules or an adapter; none for a model too shallow
     for a speedup."""
     from .policy import for_speedup, speedup_label
 
     L = record["num_layers"]
-    horizon = record.get("horizon") or 32
+    horizon = record.get("speedup_horizon") or 32
     note = " (generic; not trained for)" if trained or record.get("skip_adapter") else " (generic)"
     lines = []
     for s in GENERIC_SPEEDUPS:
