@@ -140,6 +140,16 @@ def test_broken_json_is_400_with_null_param(client, path):
     assert_openai_error(resp, 400, None, "not valid JSON")
     resp = client.post(path, json=["not", "an", "object"])
     assert_openai_error(resp, 400, None, "body: ")
+    assert "content-type" not in resp.json()["error"]["message"]  # a JSON body of the wrong shape: no hint
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_body_without_a_json_content_type_says_so(client, path):
+    """`curl -d '{...}'` without `-H 'content-type: application/json'` sends a form body; the 400
+    says what to send instead of only that the body is not an object."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    resp = client.post(path, content=b'{"prompt": "x", "messages": []}', headers=form)
+    assert_openai_error(resp, 400, None, "content-type: application/json", "application/x-www-form-urlencoded")
 
 
 def test_unknown_model_is_404(client):

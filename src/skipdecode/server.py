@@ -139,6 +139,9 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     """400 ``invalid_request_error`` for a schema error or broken JSON (not FastAPI's 422)."""
     _count_refusal(request.app, request.url.path, 400)
     message, param = validation_message(exc.errors())
+    content_type = request.headers.get("content-type", "")
+    if param is None and "json" not in content_type.lower():  # e.g. `curl -d` without a JSON header
+        message += f" (the body must be a JSON object sent with content-type: application/json; got {content_type or 'no content-type'!r})"
     return _error_response(400, message, param)
 
 
