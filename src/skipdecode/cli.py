@@ -1,7 +1,7 @@
 """The ``skipdecode`` command (typer). The library never prints; only this module does.
 
-Subcommands: ``generate``, ``bench``, ``train``, ``eval``, ``serve``, ``info``. Heavy imports
-happen inside each command so ``--help`` is instant.
+Subcommands: ``generate``, ``chat`` (cli_chat.py), ``bench`` (cli_bench.py), ``train``, ``eval``,
+``serve``, ``info``. Heavy imports happen inside each command so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     stock_weights_at_full_depth,
     stop_from_options,
 )
+from .cli_chat import chat  # noqa: E402
 from .cli_eval_options import check_eval_rows, check_eval_run, eval_error_message, eval_items  # noqa: E402
 
 
@@ -556,6 +557,7 @@ def serve(
 from .cli_bench import bench  # noqa: E402  (the bench command lives in its own module)
 
 app.command()(bench)
+app.command()(chat)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

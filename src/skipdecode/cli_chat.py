@@ -1,0 +1,151 @@
+"""``skipdecode chat``: a multi-turn conversation in the terminal under a skip policy.
+
+Each turn renders the whole conversation so far (an optional system message, then the user and
+assistant turns) with the tokenizer's chat template, prefills it at full depth and streams the
+answer under the policy, as ``skipdecode generate`` does for one prompt; the answer's text is
+then added to the conversation. The conversation is the only state: ``/reset`` empties it,
+``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session, Ctrl-C stops the current answer
+(which is then not added). A turn whose conversation no longer fits the model's context prints
+the library's message and keeps the session open, so ``/reset`` can start over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from .cli_common import (
+    COMPILE_HELP,
+    MODEL_HELP,
+    NO_ADAPTER_HELP,
+    QUANTIZE_HELP,
+    check_policy_options,
+    err,
+    fail,
+    load_model,
+    out,
+    resolve_policy,
+    sampling_from_options,
+    stock_weights_at_full_depth,
+)
+
+__all__ = ["chat", "CHAT_COMMANDS"]
+
+#: The session commands a line may hold instead of a message.
+CHAT_COMMANDS = {"/reset": "start a new conversation", "/exit": "end the session", "/quit": "end the session"}
+
+
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1; default: the model's own policy, the embedded model's 2x)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message that opens the conversation (default: the chat template's own, if any)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens per answer."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in [0, 1] (1: off; 0: greedy)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed of every answer (int64)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Hugging Face's repetition penalty (0.01..100; 1: off)."),
+    device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+    stats: bool = typer.Option(True, "--stats/--no-stats", help="After each answer, print its tokens/s, mean active layers and theoretical speedup to stderr."),
+) -> None:
+    """Chat in the terminal with a skip policy: multi-turn, streamed; /reset, /exit."""
+    sampling = sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty)
+    if max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if system is not None and not system.strip():
+        fail("--system must hold text (leave it out for the chat template's default)")
+    check_policy_options(speedup, None, None, None)
+    sk = load_model(model, device, dtype, True, quantize, compile, adapter=not no_adapter)
+    if not getattr(sk.tokenizer, "chat_template", None):
+        fail(f"--model {model or 'default'}: its tokenizer has no chat template; use `skipdecode generate` for plain prompts")
+    policy = resolve_policy(sk, speedup, None, None, None, None)
+    sk = stock_weights_at_full_depth(sk, policy, (model, device, dtype, True, quantize, compile))
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    from .info import describe_policy
+
+    err.print(f"chat: {describe_policy(policy.to_dict(), sk.num_layers)}; {', '.join(CHAT_COMMANDS)}; Ctrl-D ends",
+              style="dim", markup=False, highlight=False)
+    run_session(sk, policy, sampling, max_new_tokens, opening, stats)
+
+
+def run_session(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, opening: list[dict], stats: bool) -> int:
+    """Read lines from stdin until ``/exit``, ``/quit`` or end of input; answer each message.
+
+    Args:
+        sk: the :class:`~skipdecode.model.SkipModel` (with a chat template).
+        policy: the skip policy of every answer; sampling: its
+            :class:`~skipdecode.sampling.SamplingParams`; max_new_tokens: tokens per answer.
+        opening: the messages every conversation starts with (a system message, or none).
+        stats: print each answer's statistics to stderr.
+
+    Returns:
+        The number of answers given (turns).
+    """
+    conversation = list(opening)
+    turns = 0
+    while True:
+        line = _read_line()
+        if line is None:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            conversation = list(opening)
+            err.print("[dim]new conversation[/]")
+            continue
+        if text.startswith("/") and " " not in text:
+            err.print(f"unknown command {text}: " + ", ".join(f"{c} ({w})" for c, w in CHAT_COMMANDS.items()),
+                      markup=False, highlight=False)
+            continue
+        messages = conversation + [{"role": "user", "content": line.rstrip("\n")}]
+        answer = _answer(sk, policy, sampling, max_new_tokens, messages, stats)
+        if answer is not None:
+            conversation = messages + [{"role": "assistant", "content": answer}]
+            turns += 1
+    return turns
+
+
+def _read_line() -> str | None:
+    """One line of input after a ``>>>`` prompt on stderr; None at end of input."""
+    err.print("[bold]>>> [/]", end="")
+    try:
+        return input()
+    except EOFError:
+        err.print()
+        return None
+
+
+def _answer(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, messages: list[dict], stats: bool) -> str | None:
+    """Stream the answer to ``messages`` to stdout; its text, or None when it failed (the
+    library's message is printed) or was interrupted (Ctrl-C)."""
+    from .generate import generate as run_generate
+
+    def show(chunk) -> None:
+        if chunk.deltas[0]:
+            out.print(chunk.deltas[0], end="", highlight=False, markup=False)
+
+    try:
+        result = run_generate(sk.adapter, sk.tokenizer, [messages], policy=policy, sampling=sampling,
+                              max_new_tokens=max_new_tokens, chat=True, on_chunk=show)
+    except ValueError as e:
+        err.print(f"error: {e} (/reset starts a new conversation)", markup=False, highlight=False)
+        return None
+    except KeyboardInterrupt:
+        out.print()
+        err.print("[dim](answer stopped; not kept in the conversation)[/]")
+        return None
+    out.print()
+    if stats:
+        s = result.stats()
+        err.print(f"[dim]{s['new_tokens']} tok, {s['tokens_per_second']:.1f} tok/s, "
+                  f"{s['mean_active_layers']:.2f}/{sk.num_layers} layers, theoretical {s['theoretical_speedup']:.2f}x, "
+                  f"{result.finish_reasons[0]}[/]", highlight=False)
+    return result.texts[0]
