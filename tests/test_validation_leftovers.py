@@ -438,14 +438,14 @@ def test_the_filter_is_exact():
 def test_cli_policy_options_are_checked_before_the_model_loads(saved, command, extra, words, monkeypatch):
     """A bad --speedup used to be refused only after the model had loaded (seconds later)."""
     no_model_load(monkeypatch)
-    monkeypatch.setattr("skipdecode.cli._check_can_listen", lambda host, port: None)
+    monkeypatch.setattr("skipdecode.cli_serve._check_can_listen", lambda host, port: None)
     assert_one_line_exit_2(*cli([*command, "--model", str(saved), *extra]), *words)
 
 
 def test_serve_full_depth_steps_sets_the_default_policy(saved, monkeypatch):  # noqa: F811
     """``serve --full-depth-steps K`` puts K on the default schedule of requests that give none."""
     seen = {}
-    monkeypatch.setattr("skipdecode.cli._check_can_listen", lambda host, port: None)
+    monkeypatch.setattr("skipdecode.cli_serve._check_can_listen", lambda host, port: None)
     monkeypatch.setattr("skipdecode.server.create_app", lambda sk, *a, **k: seen.setdefault("policy", sk.policy))
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
     res, _ = cli(["serve", "--model", str(saved), "--speedup", "2", "--full-depth-steps", "3"])

@@ -1,0 +1,121 @@
+"""``skipdecode serve``: the OpenAI-compatible HTTP server (:mod:`skipdecode.server`) on uvicorn.
+:mod:`skipdecode.cli` registers it on its app."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from .cli_common import (
+    COHORT_HELP,
+    COMPILE_HELP,
+    MODEL_HELP,
+    NO_ADAPTER_HELP,
+    PREFIX_CACHE_HELP,
+    QUANTIZE_HELP,
+    check_cohort_option,
+    check_policy_options,
+    check_quantize_option,
+    err,
+    fail,
+    load_model,
+    resolve_policy,
+    set_threads,
+)
+
+__all__ = ["serve"]
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Exit with a one-line error when ``host:port`` cannot be bound (port in use, bad host).
+
+    Binds and closes a socket with the options uvicorn uses (``SO_REUSEADDR``), so a port in
+    TIME_WAIT is not reported busy.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        fail(f"--host {host!r}: cannot resolve it ({e.strerror})")
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            fail(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                 "is another server using it? Choose another --port")
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Default target speedup of requests that give none."),
+    max_layers: Optional[int] = typer.Option(None, "--max-layers", help="Default e_max."),
+    min_layers: Optional[int] = typer.Option(None, "--min-layers", help="Default e_min."),
+    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Default warm-up layers."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Default horizon (tokens)."),
+    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="Default first decode steps at full depth, with the base model's weights (default: the model's schedule's; requests may send full_depth_steps)."),
+    name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
+    device: str = typer.Option("cpu", "--device", help="torch device."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    max_batch_size: int = typer.Option(32, "--max-batch-size", help="Most rows decoding at once (in-flight batching)."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Most rows waiting for a slot; beyond it requests get 429."),
+    serial: bool = typer.Option(False, "--serial", help="Serve one row at a time (the one-at-a-time design, for comparison)."),
+    cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
+    align_steps: Optional[int] = typer.Option(None, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (default 8 in flight, 0 with --serial; 0: off; docs/serving.md)."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed event: a row's tokens are sent in groups of this many (its first and last token at once), as vLLM's and SGLang's --stream-interval; larger values spend less CPU per token on HTTP and client (docs/serving.md). 1: one event per token."),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads for the model (default: torch's, one per core); "
+                                          "fewer than the cores leaves one for the HTTP layer and tokenizer."),
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    check_quantize_option(quantize)
+    set_threads(threads)
+    if not 0 < port < 65536:
+        fail(f"--port must be in 1..65535, got {port}")
+    check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
+    if cohort_size > 1 and serial:
+        fail("--cohort-size applies to in-flight batching; drop it or --serial")
+    if max_waiting < 0:
+        fail(f"--max-waiting must be >= 0, got {max_waiting}")
+    if align_steps is not None and align_steps < 0:
+        fail(f"--align-steps must be >= 0, got {align_steps}")
+    if stream_interval < 1:
+        fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
+    if align_steps and serial:
+        fail("--align-steps applies to in-flight batching; drop it or --serial")
+    if align_steps is None:
+        from .admission import SERVE_ALIGN_STEPS
+
+        align_steps = 0 if serial else SERVE_ALIGN_STEPS
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
+    from .scheduler import on_fresh_thread
+
+    # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one left
+    try:
+        sk = on_fresh_thread(load_model, model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
+    except KeyboardInterrupt:
+        # the loading thread may be inside torch's C++ code: leave at once, without the interpreter's
+        # shutdown (which, racing that thread, could end in a C++ abort instead of exit code 130)
+        err.print("interrupted while loading the model", markup=False)
+        err.file.flush()
+        os._exit(130)
+    sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
+    import uvicorn
+
+    from .server import create_app, uvicorn_options
+
+    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
+    app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
+                      cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
+                      stream_interval=stream_interval)
+    uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())
