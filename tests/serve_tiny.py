@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--chain", action="store_true")
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--fail-seed", type=int, default=None)
+    parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -90,6 +91,8 @@ def main() -> None:
         kwargs["prefix_cache"] = False
     if args.stream_interval != 1:
         kwargs["stream_interval"] = args.stream_interval
+    if args.api_key is not None:
+        kwargs["api_key"] = args.api_key
     tok = make_tokenizer()
     model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)

@@ -28,7 +28,7 @@ from test_server_loopback import STEP_DELAY, run, start_server, stop_server, wai
 
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("stop", "length", "cancelled", "error")
-REASONS = ("invalid_request", "not_found", "too_large", "queue_full")
+REASONS = ("invalid_request", "unauthorized", "not_found", "too_large", "queue_full")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TOKENS = {"prompt_tokens": "skipdecode_prompt_tokens_total",
           "completion_tokens": "skipdecode_completion_tokens_total"}

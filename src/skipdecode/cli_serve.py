@@ -73,6 +73,8 @@ def serve(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SKIPDECODE_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on the /v1/ routes (401 otherwise), as vLLM's --api-key; /health and /metrics stay open."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads for the model (default: torch's, one per core); "
                                           "fewer than the cores leaves one for the HTTP layer and tokenizer."),
 ) -> None:
@@ -90,6 +92,8 @@ def serve(
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key must hold text (leave it out to serve without a key)")
     if align_steps and serial:
         fail("--align-steps applies to in-flight batching; drop it or --serial")
     if align_steps is None:
@@ -114,8 +118,10 @@ def serve(
 
     from .server import create_app, uvicorn_options
 
-    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()})", markup=False)
+    key_note = "; /v1/ requests need the API key" if api_key is not None else ""
+    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()}){key_note}",
+              markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
-                      stream_interval=stream_interval)
+                      stream_interval=stream_interval, api_key=api_key)
     uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())

@@ -93,9 +93,10 @@ def default_kind(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
-def error_body(message: str, kind: str, param: Optional[str] = None) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}`` (``code``: e.g.
+    ``"invalid_api_key"``; null for most errors)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def unknown_model(name: str, served: str) -> APIError:

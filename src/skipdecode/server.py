@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import threading
 import time
 import uuid
@@ -80,9 +81,9 @@ def uvicorn_options() -> dict[str, str]:
 
 
 def _error_response(status: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
-                    headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
+                    headers: Optional[Mapping[str, str]] = None, code: Optional[str] = None) -> JSONResponse:
     kind = kind or default_kind(status)
-    return StrictJSONResponse(error_body(message, kind, param), status_code=status, headers=dict(headers or {}))
+    return StrictJSONResponse(error_body(message, kind, param, code), status_code=status, headers=dict(headers or {}))
 
 
 class StrictJSONResponse(JSONResponse):
@@ -123,6 +124,32 @@ class _BodyLimit:
                 response = _error_response(
                     413, f"the request body is {int(length)} bytes; this server accepts at most "
                     f"{self.max_request_bytes} (max_request_bytes)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _ApiKey:
+    """ASGI middleware: a request to an OpenAI route (``/v1/...``) must carry ``Authorization:
+    Bearer <api_key>``, as OpenAI's API and vLLM's ``--api-key`` ask; ``/health``, ``/metrics`` and
+    the OpenAPI pages stay open. A missing or wrong key answers 401 in OpenAI's error shape (code
+    ``invalid_api_key``, header ``WWW-Authenticate: Bearer``) before the body is read; the key is
+    compared in constant time (:func:`secrets.compare_digest`)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                _count_refusal(scope.get("app"), scope.get("path", ""), 401)
+                what = "no API key was given" if not token.strip() else "the API key is not this server's"
+                response = _error_response(
+                    401, f"{what}: send the header 'Authorization: Bearer <key>' with the key the server was "
+                    "started with (skipdecode serve --api-key)", kind="invalid_request_error",
+                    headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -409,6 +436,7 @@ def create_app(
     prefix_cache: bool | int = True,
     align_steps: int = SERVE_ALIGN_STEPS,
     stream_interval: int = 1,
+    api_key: Optional[str] = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
@@ -426,6 +454,9 @@ def create_app(
     ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included);
     ``state.metrics`` the app's :class:`~skipdecode.server_metrics.ServerMetrics`, its own
     Prometheus registry, which ``GET /metrics`` serves.
+    With ``api_key``, requests to the ``/v1/`` routes must send ``Authorization: Bearer <api_key>``
+    (401 otherwise, :class:`_ApiKey`; OpenAI's and vLLM's ``--api-key``); ``/health`` and
+    ``/metrics`` stay open.
     A streamed response sends each row's tokens in events of ``stream_interval`` tokens (its first
     token and its last at once; vLLM's and SGLang's ``--stream-interval``; 1, the default: one
     event per token), :class:`~skipdecode.execution.Submission`.
@@ -443,8 +474,11 @@ def create_app(
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
             [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
-            (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1.
+            (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
+            ``api_key`` empty or not a string.
     """
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("api_key must be a non-empty string (None: no key needed)")
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed event), got {stream_interval!r}")
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
@@ -456,6 +490,8 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.metrics = ServerMetrics(scheduler, model.num_layers)
     app.add_middleware(_BodyLimit, max_request_bytes=max_request_bytes)
+    if api_key is not None:  # added last: it runs first, so a request without the key is never read
+        app.add_middleware(_ApiKey, api_key=api_key)
     _add_error_handlers(app)
     _Routes(model, model_name, scheduler, executor, app.state.metrics).register(app)
     return app

@@ -19,8 +19,9 @@ The metrics (names, units and meanings; docs/serving.md#metrics-get-metrics list
   of requests that ended with ``stop`` or ``length`` (``prompt_tokens``,
   ``prompt_tokens_details.cached_tokens``, ``completion_tokens``);
 - ``skipdecode_requests_rejected_total{endpoint, reason}`` (counter): requests answered with an
-  error before they were queued: ``invalid_request`` (400), ``not_found`` (404: a ``model`` other
-  than the served one, or an unknown path), ``too_large`` (413), ``queue_full`` (429);
+  error before they were queued: ``invalid_request`` (400), ``unauthorized`` (401: no or a wrong
+  API key), ``not_found`` (404: a ``model`` other than the served one, or an unknown path),
+  ``too_large`` (413), ``queue_full`` (429);
   ``endpoint`` ``other`` for a path that is neither endpoint (created at its first refusal);
 - ``skipdecode_running_rows``, ``skipdecode_waiting_rows`` (gauges; rows): rows decoding and rows
   waiting for a slot when scraped (a completions request with several prompts has several rows);
@@ -53,7 +54,7 @@ __all__ = ["ServerMetrics", "RequestTimer", "endpoint_of"]
 ENDPOINTS = ("completions", "chat")
 OUTCOMES = ("stop", "length", "cancelled", "error")
 #: HTTP status -> the ``reason`` label of ``skipdecode_requests_rejected_total``
-REJECTIONS = {400: "invalid_request", 404: "not_found", 413: "too_large", 429: "queue_full"}
+REJECTIONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 429: "queue_full"}
 #: seconds; a CPU serves a first token in 0.1-1.5 s, one at a time under load in up to a minute
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -123,7 +124,7 @@ class ServerMetrics:
         self.completion_tokens = Counter("skipdecode_completion_tokens", "Generated tokens of completed "
                                          "requests.", ["endpoint"], registry=r)
         self.rejected = Counter("skipdecode_requests_rejected", "Requests refused before they were queued "
-                                "(400 invalid_request, 404 not_found, 413 too_large, 429 queue_full).",
+                                "(400 invalid_request, 401 unauthorized, 404 not_found, 413 too_large, 429 queue_full).",
                                 ["endpoint", "reason"], registry=r)
         self.ttft = Histogram("skipdecode_time_to_first_token_seconds", "Seconds from a request's arrival "
                               "to its first token.", buckets=TTFT_BUCKETS, registry=r)
@@ -175,8 +176,8 @@ class ServerMetrics:
         self._observe_ttft(timer)
 
     def refused(self, path: str, status: int) -> None:
-        """Count a request to ``path`` answered with ``status`` before it was queued (400, 404, 413
-        or 429, :data:`REJECTIONS`; other statuses are not counted)."""
+        """Count a request to ``path`` answered with ``status`` before it was queued (400, 401, 404,
+        413 or 429, :data:`REJECTIONS`; other statuses are not counted)."""
         reason = REJECTIONS.get(status)
         if reason is not None:
             self.rejected.labels(endpoint_of(path), reason).inc()

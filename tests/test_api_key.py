@@ -1,0 +1,151 @@
+"""``skipdecode serve --api-key`` (``create_app(api_key=)``, server._ApiKey): the /v1/ routes need
+``Authorization: Bearer <key>``; /health and /metrics stay open. In process, and as a real
+``skipdecode serve`` process on loopback driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from conftest import make_model, make_tokenizer
+from skipdecode.cli import app as cli_app
+from skipdecode.model import SkipModel
+from skipdecode.server import create_app
+from test_protocol import free_port
+
+KEY = "sk-test-0123"
+BODY = {"prompt": "The Eagle is", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def sk():
+    return SkipModel(make_model("llama"), make_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def client(sk):
+    return TestClient(create_app(sk, "tiny", api_key=KEY))
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_401(resp, *words: str) -> None:
+    assert resp.status_code == 401, resp.text
+    assert resp.headers["www-authenticate"] == "Bearer"
+    error = resp.json()["error"]
+    assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error" and error["param"] is None
+    for w in words:
+        assert w in error["message"], error["message"]
+
+
+def test_v1_routes_need_the_key(client, sk):
+    assert_401(client.post("/v1/completions", json=BODY), "no API key was given", "Authorization: Bearer")
+    assert_401(client.post("/v1/completions", json=BODY, headers=bearer("sk-wrong")), "not this server's")
+    assert_401(client.post("/v1/completions", json=BODY, headers={"Authorization": KEY}))  # no scheme
+    assert_401(client.get("/v1/models"))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert_401(client.post("/v1/chat/completions", json={"messages": msgs}, headers=bearer(KEY + "x")))
+    ok = client.post("/v1/completions", json=BODY, headers=bearer(KEY))
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["text"] == sk.generate(["The Eagle is"], max_new_tokens=3).texts[0]
+    assert client.get("/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200  # case-blind scheme
+
+
+def test_a_refused_request_is_not_read_and_probes_stay_open(client):
+    """No key: 401 even for a body over the size limit or broken JSON (the key is checked first);
+    /health and /metrics answer without a key and count the refusals."""
+    assert_401(client.post("/v1/completions", content=b"{broken", headers={"content-type": "application/json"}))
+    assert_401(client.post("/v1/completions", json={"prompt": "x " * 600_000}))
+    assert client.get("/health").status_code == 200
+    metrics = client.get("/metrics").text
+    line = 'skipdecode_requests_rejected_total{endpoint="completions",reason="unauthorized"}'
+    assert any(row.startswith(line) and float(row.split()[-1]) >= 2 for row in metrics.splitlines()), metrics
+
+
+def test_without_a_key_nothing_is_asked(sk):
+    assert TestClient(create_app(sk, "tiny")).post("/v1/completions", json=BODY).status_code == 200
+
+
+@pytest.mark.parametrize("bad", ["", "   ", 5])
+def test_create_app_refuses_an_empty_key(sk, bad):
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(sk, "tiny", api_key=bad)
+
+
+def test_cli_refuses_a_blank_key_before_loading(tmp_path):
+    res = CliRunner().invoke(cli_app, ["serve", "--api-key", " ", "--model", str(tmp_path / "missing")],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and "--api-key must hold text" in res.output and "missing" not in res.output
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, sk):
+    """``skipdecode serve`` as a process on loopback, its key from SKIPDECODE_API_KEY."""
+    path = tmp_path_factory.mktemp("keyed") / "tiny"
+    sk.save_pretrained(path)
+    port = free_port()
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "SKIPDECODE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(path), "--port", str(port),
+                             "--name", "tiny"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited early: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:  # open without the key
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not start within 180 s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_real_server_with_the_openai_client_and_concurrent_bad_keys(keyed_server, sk):
+    """16 concurrent requests, half with the key (their solo answers), half with a wrong one
+    (401, ``openai.AuthenticationError``), within a bounded time."""
+    openai = pytest.importorskip("openai")
+    good = openai.AsyncOpenAI(base_url=keyed_server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    wrong = openai.AsyncOpenAI(base_url=keyed_server + "/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    prompts = [f"The Eagle {i} is a" for i in range(8)]
+
+    async def scenario():
+        async def bad(i):
+            try:
+                await wrong.completions.create(model="tiny", prompt=prompts[i], max_tokens=5)
+            except openai.AuthenticationError as e:
+                return e.status_code
+            return 200
+
+        tasks = [good.completions.create(model="tiny", prompt=p, max_tokens=5) for p in prompts]
+        return await asyncio.gather(*tasks, *(bad(i) for i in range(8)))
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 120))
+    for p, resp in zip(prompts, results[:8]):
+        assert resp.choices[0].text == sk.generate([p], max_new_tokens=5).texts[0]
+    assert results[8:] == [401] * 8
+    assert httpx.get(keyed_server + "/v1/models", timeout=10).status_code == 401  # no key at all
