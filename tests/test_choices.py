@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from conftest import make_model, make_tokenizer
 from skipdecode.limits import SEED_MAX, SEED_MIN
 from skipdecode.model import SkipModel
-from skipdecode.protocol import MAX_CHOICES, choice_sampling
-from skipdecode.sampling import SamplingParams
+from skipdecode.protocol import MAX_CHOICES
+from skipdecode.sampling import SamplingParams, choice_sampling
 from skipdecode.server import create_app
 
 MSGS = [{"role": "user", "content": "Describe the restaurant"}]
@@ -85,3 +85,60 @@ def test_more_rows_than_the_server_ever_holds_is_a_400_not_a_429(sk):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
     assert "need 8 rows" in resp.json()["error"]["message"]
     assert small.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "n": 3}).status_code == 200
+
+
+# ------------------------------------------------------------------ n in the Python API
+PROMPTS = ["The Eagle is", "Describe"]
+
+
+@pytest.mark.parametrize("inflight", [None, 4])
+def test_api_n_rows_are_the_seeded_solo_samples(sk, inflight):
+    """``generate(n=3)``: row k*n+j is prompt k sampled alone with seed + j, in a static batch and
+    in flight; choice 0 is the n = 1 sample."""
+    result = sk.generate(PROMPTS, n=3, temperature=1.0, seed=5, max_new_tokens=6, max_batch_size=inflight)
+    want = [sk.generate(p, temperature=1.0, seed=5 + j, max_new_tokens=6).texts[0] for p in PROMPTS for j in range(3)]
+    assert result.texts == want and len(set(want[:3])) > 1
+    assert len(result.finish_reasons) == len(result.new_tokens) == 6
+    assert result.batch_size == (6 if inflight is None else inflight)  # in flight: the most rows at once
+    assert result.prompt_tokens[0] == result.prompt_tokens[2] != result.prompt_tokens[3]
+
+
+def test_api_n_streams_every_row_and_greedy_choices_are_alike(sk):
+    chunks = list(sk.stream_generate(PROMPTS, n=2, max_new_tokens=5))
+    texts = ["".join(c.deltas[i] for c in chunks) for i in range(4)]
+    greedy = sk.generate(PROMPTS, max_new_tokens=5).texts
+    assert texts == [greedy[0], greedy[0], greedy[1], greedy[1]]
+    logged = sk.generate(PROMPTS, n=2, max_new_tokens=5, logprobs=1)
+    assert len(logged.logprobs) == 4 and logged.logprobs[0] == logged.logprobs[1]
+
+
+def test_per_row_sampling_settings_are_each_rows_own(sk):
+    """``sampling`` may be one SamplingParams per prompt: a greedy row and a sampled row in one
+    batch each equal their solo runs (one generator per row)."""
+    from skipdecode.generate import generate
+
+    rows = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=3)]
+    for max_batch_size in (None, 2):
+        out = generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=rows, max_new_tokens=6, max_batch_size=max_batch_size)
+        assert out.texts == [sk.generate(PROMPTS[0], max_new_tokens=6).texts[0],
+                             sk.generate(PROMPTS[1], temperature=1.0, top_k=20, seed=3, max_new_tokens=6).texts[0]]
+    sampled = generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=rows, n=2, max_new_tokens=6)
+    assert sampled.texts[1] == sampled.texts[0]  # the greedy prompt's two choices
+    assert sampled.texts[3] == sk.generate(PROMPTS[1], temperature=1.0, top_k=20, seed=4, max_new_tokens=6).texts[0]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True, "2"])
+def test_api_bad_n_names_it_at_once(sk, n):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        sk.generate(PROMPTS, n=n)
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        sk.stream_generate(PROMPTS, n=n)  # at the call, not at the first step
+
+
+def test_per_row_sampling_of_the_wrong_length_names_sampling(sk):
+    from skipdecode.generate import generate
+
+    with pytest.raises(ValueError, match="sampling holds 1 SamplingParams for 2 rows"):
+        generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[SamplingParams()], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"sampling\[1\] must be a SamplingParams"):
+        generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[SamplingParams(), 0.7], max_new_tokens=2)

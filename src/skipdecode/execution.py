@@ -18,7 +18,7 @@ from .engine import Request, Row, TokenEvent, mean_batch_rows
 from .generate import GenerationResult, RowText, _eos_ids
 from .logprobs import TokenLogprobs
 from .model import SkipModel
-from .protocol import choice_sampling
+from .sampling import choice_sampling
 from .scheduler import Scheduler
 
 __all__ = ["Executor", "Submission"]
@@ -149,7 +149,7 @@ class Executor:
         """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
         ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``, ``logprobs``, ``n``:
         ``n`` rows per prompt, row ``k * n + j`` prompt k's choice j with
-        :func:`~skipdecode.protocol.choice_sampling`); call it on the event loop.
+        :func:`~skipdecode.sampling.choice_sampling`); call it on the event loop.
 
         Raises:
             ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``), or the

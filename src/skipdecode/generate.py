@@ -24,7 +24,7 @@ from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import SkipPolicy, check_policy, theoretical_speedup
 from .prompts import Prompt, encode_prompt
 from .row_text import RowText  # noqa: F401  (part of this module's API, as before)
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, choice_sampling, row_sampling
 
 __all__ = [
     "StepOutput",
@@ -91,7 +91,7 @@ def generate_step(
     attention_mask: torch.Tensor,
     *,
     policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_new_tokens: int = 64,
     eos_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
@@ -105,7 +105,8 @@ def generate_step(
         input_ids: (B, P) left-padded prompt ids.
         attention_mask: (B, P) 0/1, 0 on left padding.
         policy: skip policy (None: full depth).
-        sampling: :class:`SamplingParams` (None: greedy).
+        sampling: :class:`SamplingParams` of every row (None: greedy), or a sequence of B, one
+            per row (:func:`~skipdecode.sampling.row_sampling`).
         max_new_tokens: most tokens generated per row (tokens), >= 1.
         eos_token_ids: ids that end a row (the row's EOS is emitted, then the row is frozen).
             Only generated tokens are checked, so a prompt's BOS (== EOS in OPT) never ends it.
@@ -124,8 +125,9 @@ def generate_step(
     Raises:
         ValueError: bad shapes, ``max_new_tokens`` < 1, prompts plus ``max_new_tokens`` - 1
             longer than the model's context (``max_position_embeddings``; see
-            :meth:`Adapter.check_context`), or a ``policy`` that is not None or a policy object
-            or is for another layer count (:func:`skipdecode.policy.check_policy`).
+            :meth:`Adapter.check_context`), a ``policy`` that is not None or a policy object
+            or is for another layer count (:func:`skipdecode.policy.check_policy`), or a
+            ``sampling`` sequence that is not one :class:`SamplingParams` per row.
     """
     if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -140,11 +142,11 @@ def generate_step(
     adapter.check_context(P, max_new_tokens)
     policy = check_policy(policy, adapter.num_layers)
     device = input_ids.device
-    # one generator per row (each seeded with the seed): a row's samples never depend on its
+    # one generator per row (each seeded with its seed): a row's samples never depend on its
     # neighbours, so a prompt gives the same text alone, in a batch and in flight (engine.py)
-    params = sampling or SamplingParams()
-    keep_history = not params.greedy or params.penalized  # the warpers and the penalties read it
-    samplers = [Sampler(params, device=device) for _ in range(B if keep_history else 1)]
+    params = row_sampling(sampling, B)
+    keep_history = any(not p.greedy or p.penalized for p in params)  # the warpers and the penalties read it
+    samplers = [Sampler(p, device=device) for p in (params if keep_history else params[:1])]
     starts = (P - attention_mask.sum(-1)).tolist()  # left padding per row: not part of its history
     cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
@@ -387,24 +389,53 @@ def _step_logprobs(rows: list[RowText], logits: torch.Tensor, column: list[int],
     return [got.get(r) for r in range(len(rows))]
 
 
+def check_choices(n: int) -> None:
+    """Raise ValueError naming ``n`` unless it is an integer >= 1 (choices per prompt)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1 (choices per prompt), got {n!r}")
+
+
+def expand_choices(prompts: Sequence[Prompt] | str, sampling: SamplingParams | Sequence[SamplingParams] | None,
+                   n: int) -> tuple[list, SamplingParams | Sequence[SamplingParams] | None]:
+    """The rows of ``n`` choices per prompt (OpenAI's and vLLM's ``n``, Hugging Face's
+    ``num_return_sequences``): row ``k * n + j`` is prompt k's j-th choice, sampled with
+    :func:`~skipdecode.sampling.choice_sampling` (seed ``seed + j``), so choice 0 is the ``n`` = 1
+    row. ``sampling``: one :class:`SamplingParams` for every prompt or one per prompt
+    (:func:`~skipdecode.sampling.row_sampling`). Returns ``(rows' prompts, their sampling)``,
+    unchanged when ``n`` is 1.
+
+    Raises:
+        ValueError: ``n`` not an integer >= 1 (the message names ``n``); ``sampling`` as in
+            :func:`~skipdecode.sampling.row_sampling`.
+    """
+    check_choices(n)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if n == 1:
+        return prompts, sampling
+    params = row_sampling(sampling, len(prompts))
+    return [p for p in prompts for _ in range(n)], [choice_sampling(sp, j) for sp in params for j in range(n)]
+
+
 def stream_generate(
     adapter: Adapter,
     tokenizer,
     prompts: Sequence[Prompt],
     *,
     policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_new_tokens: int = 64,
     stop: Sequence[str] | str = (),
     chat: bool = False,
     eos_token_ids: Sequence[int] | None = None,
     logprobs: int | None = None,
+    n: int = 1,
     _record: dict | None = None,
 ) -> Iterator[StreamChunk]:
     """Stream text deltas for a batch of ``prompts`` (one :class:`StreamChunk` per step).
 
     Args:
-        adapter, policy, sampling, max_new_tokens: as in :func:`generate_step`.
+        adapter, policy, max_new_tokens: as in :func:`generate_step`.
+        sampling: one :class:`SamplingParams` for every prompt (None: greedy) or one per prompt.
         tokenizer: the model's HF tokenizer.
         prompts: the prompts: strings, conversations or token ids (see :func:`encode_prompts`).
         stop: stop strings (one string, or up to 4 non-empty ones: :func:`skipdecode.limits.check_stop`);
@@ -414,14 +445,17 @@ def stream_generate(
         logprobs: None (default), or n in [0, 20]: each chunk's ``logprobs`` holds every row's
             token log-probability and its n most likely alternatives, and the run's
             :class:`GenerationResult` ``logprobs`` those of each row's text (:mod:`skipdecode.logprobs`).
+        n: choices per prompt (:func:`expand_choices`): the batch holds ``len(prompts) * n`` rows,
+            row ``k * n + j`` prompt k's j-th choice (seed ``seed + j``).
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``stop`` holds more
             than 4 strings, an empty one or a non-string (the message starts with ``stop``);
-            ``logprobs`` not None or an integer in [0, 20].
+            ``logprobs`` not None or an integer in [0, 20]; ``n`` as in :func:`expand_choices`.
     """
     stop = check_stop(stop)
     check_logprobs(logprobs)
+    prompts, sampling = expand_choices(prompts, sampling, n)
     device = next(adapter.model.parameters()).device
     input_ids, attention_mask = encode_prompts(tokenizer, prompts, chat=chat, device=device)
     if eos_token_ids is None:
@@ -483,7 +517,7 @@ def generate(
     prompts: Sequence[Prompt] | str,
     *,
     policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_new_tokens: int = 64,
     stop: Sequence[str] | str = (),
     chat: bool = False,
@@ -493,6 +527,7 @@ def generate(
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
     logprobs: int | None = None,
+    n: int = 1,
 ) -> GenerationResult:
     """Generate for a batch of prompts and return texts, ids, finish reasons and statistics.
 
@@ -505,14 +540,15 @@ def generate(
     (:class:`skipdecode.engine.Engine`). Greedy texts are the same either way; seeded samples too
     (one generator per row). ``logprobs`` n (0-20) fills the result's ``logprobs``: each text
     token's log-probability and its n most likely alternatives (:mod:`skipdecode.logprobs`).
+    ``n`` choices per prompt: the result holds ``len(prompts) * n`` rows, row ``k * n + j``
+    prompt k's j-th choice (:func:`expand_choices`).
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
-            ``stop`` and ``logprobs`` as in :func:`stream_generate` and ``policy`` as in
+            ``stop``, ``logprobs`` and ``n`` as in :func:`stream_generate` and ``policy`` as in
             :func:`generate_step` (all checked before anything runs).
     """
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    prompts, sampling = expand_choices(prompts, sampling, n)
     stop = check_stop(stop)
     policy = check_policy(policy, adapter.num_layers)
     check_logprobs(logprobs)

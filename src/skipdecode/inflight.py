@@ -12,7 +12,7 @@ from .engine import Engine, Request, Row, mean_batch_rows
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
 from .policy import SkipPolicy, check_policy
-from .sampling import SamplingParams
+from .sampling import SamplingParams, row_sampling
 
 __all__ = ["generate_inflight"]
 
@@ -23,7 +23,7 @@ def generate_inflight(
     prompts: Sequence[str],
     *,
     policy: SkipPolicy | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     max_new_tokens: int = 64,
     stop: Sequence[str] = (),
     chat: bool = False,
@@ -38,7 +38,8 @@ def generate_inflight(
     is a row with its own decode step; at most ``max_batch_size`` rows decode at once, and waiting
     prompts join in cohorts of at least ``cohort_size`` rows; ``prefix_cache`` as in
     :class:`Engine` (prompts sharing a prefix reuse its K/V; texts unchanged); ``logprobs`` as in
-    :func:`skipdecode.generate.stream_generate`.
+    :func:`skipdecode.generate.stream_generate`; ``sampling`` one :class:`SamplingParams` for every
+    prompt or one per prompt.
 
     Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
     and in decode steps; ``layers_run`` holds one entry per row per decode step, and
@@ -62,8 +63,9 @@ def generate_inflight(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
     engine = Engine(adapter, max_batch_size, cohort_size=cohort_size, prefix_cache=prefix_cache)
+    params = row_sampling(sampling, len(prompts))  # one per row (expand_choices' rows)
     requests = [
-        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, sampling, tuple(eos_token_ids),
+        Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, params[i], tuple(eos_token_ids),
                 texts[i].stopped if texts[i].stop else None, tag=i, logprobs=logprobs)
         for i in range(len(prompts))
     ]

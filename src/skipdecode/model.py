@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .adapters import get_adapter
-from .generate import GenerationResult, StreamChunk, generate, stream_generate
+from .generate import GenerationResult, StreamChunk, check_choices, generate, stream_generate
 from .jsonio import dump
 from .limits import check_stop
 from .logprobs import check_logprobs
@@ -243,6 +243,7 @@ class SkipModel:
         cohort_size: int = 1,
         prefix_cache: bool | int = True,
         logprobs: int | None = None,
+        n: int = 1,
     ) -> GenerationResult:
         """Generate for one prompt or a batch (see :func:`skipdecode.generate.generate`); each
         prompt is a string, a conversation (list of ``{"role", "content"}`` messages) or a list of
@@ -255,6 +256,9 @@ class SkipModel:
         alternatives, as vLLM's ``SamplingParams(logprobs=n)``).
         ``repetition_penalty`` (Hugging Face's, 1: off), ``frequency_penalty`` and
         ``presence_penalty`` (OpenAI's, -2..2, 0: off): :class:`~skipdecode.sampling.SamplingParams`.
+        ``n`` choices per prompt (vLLM's and OpenAI's ``n``, Hugging Face's
+        ``num_return_sequences``): the result's row ``k * n + j`` is prompt k's j-th, sampled
+        with seed ``seed + j`` (:func:`skipdecode.generate.expand_choices`).
 
         Returns a :class:`GenerationResult` with texts, token ids, finish reasons and statistics.
         Raises ValueError on bad arguments (names the field), among them a ``policy`` that is not
@@ -270,6 +274,7 @@ class SkipModel:
             cohort_size=cohort_size,
             prefix_cache=prefix_cache,
             logprobs=logprobs,
+            n=n,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat, dict(
                 repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty)),
@@ -291,19 +296,22 @@ class SkipModel:
         stop: Sequence[str] | str = (),
         chat: bool | None = None,
         logprobs: int | None = None,
+        n: int = 1,
     ) -> Iterator[StreamChunk]:
         """Stream :class:`StreamChunk` text deltas per step (see :func:`stream_generate`).
 
-        ``logprobs`` n (0-20): each chunk's ``logprobs`` (:class:`StreamChunk`).
+        ``logprobs`` n (0-20): each chunk's ``logprobs`` (:class:`StreamChunk`). ``n`` choices
+        per prompt: chunks hold ``len(prompts) * n`` rows, as :meth:`generate`'s result.
 
         Raises ValueError at once (not at the first step) for a bad ``stop``
-        (:func:`skipdecode.limits.check_stop`), ``policy`` (:func:`skipdecode.policy.check_policy`)
-        or ``logprobs`` (:func:`skipdecode.logprobs.check_logprobs`); other bad arguments when
-        iteration starts."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        (:func:`skipdecode.limits.check_stop`), ``policy`` (:func:`skipdecode.policy.check_policy`),
+        ``logprobs`` (:func:`skipdecode.logprobs.check_logprobs`) or ``n``
+        (:func:`skipdecode.generate.check_choices`); other bad arguments when iteration starts."""
         stop = check_stop(stop)
         check_logprobs(logprobs)
+        check_choices(n)
+        if isinstance(prompts, str):
+            prompts = [prompts]
         return stream_generate(
             self.adapter,
             self.tokenizer,
@@ -311,6 +319,7 @@ class SkipModel:
             max_new_tokens=max_new_tokens,
             stop=stop,
             logprobs=logprobs,
+            n=n,
             **self._kwargs(policy, temperature, top_k, top_p, seed, chat, dict(
                 repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty)),

@@ -34,7 +34,7 @@ the CLI use), the policy, the sampling settings and the token budget, every erro
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from fastapi import HTTPException
@@ -111,16 +111,6 @@ def bad(param: str, problem: str) -> APIError:
 
 #: Most completions per prompt (``n``), OpenAI's limit.
 MAX_CHOICES = 128
-
-
-def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
-    """The sampling settings of a prompt's ``j``-th choice (``n`` > 1): its seed is ``seed + j``
-    (wrapping within int64), so the choices of a seeded request differ from each other and
-    choice 0 is the request with ``n`` = 1; without a seed each row draws from its own OS-seeded
-    generator. Greedy choices are all the same text, as OpenAI's."""
-    if sampling.seed is None or j == 0:
-        return sampling
-    return replace(sampling, seed=(sampling.seed + j - SEED_MIN) % 2**64 + SEED_MIN)
 
 
 # ------------------------------------------------------------------------------- field tables
@@ -363,7 +353,7 @@ class ValidRequest:
             stop string).
         logprobs: None for no log-probabilities, else the alternatives per token (0..20).
         n: completions per prompt (1..:data:`MAX_CHOICES`): choice ``k * n + j`` is prompt k's
-            j-th, sampled with seed ``seed + j`` (:func:`choice_sampling`).
+            j-th, sampled with seed ``seed + j`` (:func:`~skipdecode.sampling.choice_sampling`).
     """
 
     kind: str

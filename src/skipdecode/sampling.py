@@ -10,7 +10,8 @@ runs are reproducible.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 from transformers.generation.logits_process import (
@@ -24,7 +25,8 @@ from transformers.generation.logits_process import (
 from .limits import SEED_MAX, SEED_MIN
 from .selection import argmax_last
 
-__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE", "PENALTY_RANGE", "REPETITION_PENALTY_RANGE"]
+__all__ = ["SamplingParams", "Sampler", "choice_sampling", "row_sampling", "GREEDY_TEMPERATURE", "PENALTY_RANGE",
+           "REPETITION_PENALTY_RANGE"]
 
 #: Temperatures below this decode greedily (argmax), as vLLM (``_SAMPLING_EPS = 1e-5`` in
 #: ``vllm/sampling_params.py``) and SGLang do. Below it ``logits / temperature`` leaves float32's
@@ -110,6 +112,36 @@ class SamplingParams:
         """True when a penalty is on (``repetition_penalty`` != 1 or a frequency or presence
         penalty != 0): the next token then depends on the row's history."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
+    """The sampling settings of a prompt's ``j``-th choice (``n`` > 1, OpenAI's and vLLM's ``n``):
+    its seed is ``seed + j`` (wrapping within int64), so the choices of a seeded request differ
+    from each other and choice 0 is the request with ``n`` = 1; without a seed each row draws from
+    its own OS-seeded generator. Greedy choices are all the same text, as OpenAI's."""
+    if sampling.seed is None or j == 0:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + j - SEED_MIN) % 2**64 + SEED_MIN)
+
+
+def row_sampling(sampling: SamplingParams | Sequence[SamplingParams] | None, rows: int) -> list[SamplingParams]:
+    """Each of ``rows`` rows' :class:`SamplingParams`: ``sampling`` for every row (None: greedy),
+    or, given a sequence, its i-th item for row i.
+
+    Raises:
+        ValueError: a sequence whose length is not ``rows``, or an item (or ``sampling``) that is
+            not a :class:`SamplingParams` (the message names ``sampling``).
+    """
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling or SamplingParams()] * rows
+    if isinstance(sampling, (str, bytes)) or not isinstance(sampling, Sequence):
+        raise ValueError(f"sampling must be a SamplingParams, one per row, or None; got {type(sampling).__name__}")
+    if len(sampling) != rows:
+        raise ValueError(f"sampling holds {len(sampling)} SamplingParams for {rows} rows; give one per row")
+    for i, p in enumerate(sampling):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return list(sampling)
 
 
 class Sampler:
