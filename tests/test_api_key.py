@@ -52,7 +52,7 @@ def assert_401(resp, *words: str) -> None:
 def test_v1_routes_need_the_key(client, sk):
     assert_401(client.post("/v1/completions", json=BODY), "no API key was given", "Authorization: Bearer")
     assert_401(client.post("/v1/completions", json=BODY, headers=bearer("sk-wrong")), "not this server's")
-    assert_401(client.post("/v1/completions", json=BODY, headers={"Authorization": KEY}))  # no scheme
+    assert_401(client.post("/v1/completions", json=BODY, headers={"Authorization": KEY}), "Bearer scheme")
     assert_401(client.get("/v1/models"))
     msgs = [{"role": "user", "content": "hi"}]
     assert_401(client.post("/v1/chat/completions", json={"messages": msgs}, headers=bearer(KEY + "x")))
@@ -77,16 +77,30 @@ def test_without_a_key_nothing_is_asked(sk):
     assert TestClient(create_app(sk, "tiny")).post("/v1/completions", json=BODY).status_code == 200
 
 
-@pytest.mark.parametrize("bad", ["", "   ", 5])
-def test_create_app_refuses_an_empty_key(sk, bad):
-    with pytest.raises(ValueError, match="api_key"):
+@pytest.mark.parametrize("bad, words", [("", "non-empty"), ("   ", "non-empty"), (5, "non-empty"),
+                                        ("a b", "printable ASCII"), ("cl\u00e9", "printable ASCII")])
+def test_create_app_refuses_a_key_no_client_can_send(sk, bad, words):
+    with pytest.raises(ValueError, match=f"api_key must be .*{words}"):
         create_app(sk, "tiny", api_key=bad)
 
 
-def test_cli_refuses_a_blank_key_before_loading(tmp_path):
-    res = CliRunner().invoke(cli_app, ["serve", "--api-key", " ", "--model", str(tmp_path / "missing")],
-                             env={"COLUMNS": "200"})
-    assert res.exit_code == 2 and "--api-key must hold text" in res.output and "missing" not in res.output
+def test_a_key_read_with_a_newline_is_the_key_without_it(sk):
+    """A key from a secret file ends in a newline that no client sends back: it is stripped."""
+    client = TestClient(create_app(sk, "tiny", api_key=f"  {KEY}\n"))
+    assert client.post("/v1/completions", json=BODY, headers=bearer(KEY)).status_code == 200
+    assert_401(client.post("/v1/completions", json=BODY, headers=bearer(KEY[:-1])))
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--api-key", " "], {}, "--api-key (or SKIPDECODE_API_KEY) must be a non-empty string"),
+    (["--api-key", "a b"], {}, "must be printable ASCII without spaces"),
+    ([], {"SKIPDECODE_API_KEY": ""}, "SKIPDECODE_API_KEY is set but empty"),
+])
+def test_cli_refuses_a_bad_key_before_loading(tmp_path, args, env, words):
+    """An empty SKIPDECODE_API_KEY (a missing secret) would otherwise serve without any key."""
+    res = CliRunner().invoke(cli_app, ["serve", *args, "--model", str(tmp_path / "missing")],
+                             env={"COLUMNS": "200", **env})
+    assert res.exit_code == 2 and words in res.output and "missing" not in res.output, res.output
 
 
 @pytest.fixture(scope="module")

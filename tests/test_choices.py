@@ -140,5 +140,9 @@ def test_per_row_sampling_of_the_wrong_length_names_sampling(sk):
 
     with pytest.raises(ValueError, match="sampling holds 1 SamplingParams for 2 rows"):
         generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[SamplingParams()], max_new_tokens=2)
+    with pytest.raises(ValueError, match="sampling holds 4 SamplingParams for 2 prompts; give one per prompt"):
+        generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[SamplingParams()] * 4, n=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"sampling\[0\] must be a SamplingParams \(SamplingParams\(\) for greedy\)"):
+        generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[None, SamplingParams()], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"sampling\[1\] must be a SamplingParams"):
         generate(sk.adapter, sk.tokenizer, PROMPTS, sampling=[SamplingParams(), 0.7], max_new_tokens=2)

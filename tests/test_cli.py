@@ -349,6 +349,13 @@ def test_console_entry_point_without_arguments_prints_help_and_no_empty_error(ca
     assert "error" not in captured.err, captured.err
 
 
+def test_wide_terminals_show_whole_command_summaries():
+    res = CliRunner().invoke(app, ["--help"], terminal_width=200)
+    commands = res.output.split("Commands:")[1]
+    assert res.exit_code == 0 and "..." not in commands, res.output
+    assert "Chat in the terminal under a skip policy: multi-turn, streamed, /reset and /exit." in res.output
+
+
 def test_version_option(capsys):
     from skipdecode import __version__
     from skipdecode.cli import main
@@ -358,11 +365,11 @@ def test_version_option(capsys):
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"skipdecode {__version__}"
 
 
-@pytest.mark.parametrize("command", ["generate", "eval", "serve", "bench", "train"])
+@pytest.mark.parametrize("command", ["generate", "chat", "eval", "serve", "bench", "train", "info"])
 def test_help_at_80_columns_cuts_no_option_name(command):
     """Help on an 80-column terminal (or a pipe) wraps, never ellipsizes option names (rich's
     tables cut ``--repetition-penalty`` to ``--repetition-pena…``)."""
-    res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    res = CliRunner().invoke(app, [command, "--help"], terminal_width=80)
     assert res.exit_code == 0, res.output
     assert "\u2026" not in res.output
     if command == "generate":

@@ -134,3 +134,43 @@ def test_ctrl_c_stops_an_answer_which_is_then_not_kept(model_dir, sk, monkeypatc
     assert "answer stopped" in res.stderr
     assert calls[1] == [[{"role": "user", "content": "Describe the restaurant"}]]  # the stopped turn is gone
     assert res.stdout == "\n" + answer(sk, calls[1][0]) + "\n"
+
+
+def test_messages_are_sent_stripped_and_stop_strings_apply(model_dir, sk):
+    """The line's surrounding spaces are not part of the message (they changed the answer);
+    --stop cuts every answer as the library's stop strings do."""
+    res = run_chat(model_dir, "   The Eagle  \n")
+    assert res.stdout == answer(sk, [{"role": "user", "content": "The Eagle"}]) + "\n"
+    full = answer(sk, [{"role": "user", "content": "Describe the restaurant"}])
+    cut = full[1:3]
+    want = answer(sk, [{"role": "user", "content": "Describe the restaurant"}], stop=[cut])
+    assert want != full
+    res = run_chat(model_dir, "Describe the restaurant\n", "--stop", cut)
+    assert res.exit_code == 0, res.output
+    assert res.stdout == want + "\n"
+
+
+def test_the_oldest_exchanges_are_dropped_when_the_context_is_full(model_dir, sk):
+    """The tiny model holds 256 positions: messages of about 90 tokens fill it by the third turn,
+    which then runs without the first exchange (the system message stays)."""
+    from skipdecode.prompts import encode_prompt
+
+    system = {"role": "system", "content": "Be brief."}
+
+    def message(word: str) -> str:  # a user turn of about 80 tokens: two fit with their answers, three do not
+        text = word
+        while len(encode_prompt(sk.tokenizer, [{"role": "user", "content": text}], chat=True)) < 80:
+            text += " " + word
+        return text
+
+    msgs = [message("Eagle"), message("Describe"), message("river")]
+    assert sk.adapter.max_positions == 256
+    res = run_chat(model_dir, "\n".join(msgs) + "\n", "--system", "Be brief.")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("oldest exchange(s) dropped") == 1 and "its 1 oldest" in res.stderr
+    first = answer(sk, [system, {"role": "user", "content": msgs[0]}])
+    second = answer(sk, [system, {"role": "user", "content": msgs[0]}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": msgs[1]}])
+    third = answer(sk, [system, {"role": "user", "content": msgs[1]}, {"role": "assistant", "content": second},
+                        {"role": "user", "content": msgs[2]}])
+    assert res.stdout == f"{first}\n{second}\n{third}\n"

@@ -21,7 +21,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+    rich_markup_mode=None,  # click's plain help: wraps long option names instead of cutting them
+    context_settings={"max_content_width": 120},  # wide terminals show whole command summaries
 )
 from .cli_common import (  # noqa: E402  (shared with cli_bench)
     COHORT_HELP,
@@ -221,7 +222,7 @@ def _print_generation(result, single: bool, as_json: bool, tokenizer) -> None:
     )
 
 
-@app.command()
+@app.command(short_help="Summarise the model: layers, default policy, --speedup schedules, skip adapter.")
 def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
@@ -259,7 +260,7 @@ def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]
          f"got {baseline!r}")
 
 
-@app.command("eval")
+@app.command("eval", short_help="Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth.")
 def eval_command(
     ctx: typer.Context,
     models: List[str] = typer.Option([], "--model", "-m", help=EVAL_MODEL_HELP),

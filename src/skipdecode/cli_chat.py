@@ -3,15 +3,19 @@
 Each turn renders the whole conversation so far (an optional system message, then the user and
 assistant turns) with the tokenizer's chat template, prefills it at full depth and streams the
 answer under the policy, as ``skipdecode generate`` does for one prompt; the answer's text is
-then added to the conversation. The conversation is the only state: ``/reset`` empties it,
-``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session, Ctrl-C stops the current answer
-(which is then not added). A turn whose conversation no longer fits the model's context prints
-the library's message and keeps the session open, so ``/reset`` can start over.
+then added to the conversation. Every answer starts its schedule at decode step 1, so its first
+tokens run the policy's widest steps (the embedded model's 2x: its first 14 tokens at full
+depth). The conversation is the only state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of
+input (Ctrl-D) ends the session, Ctrl-C stops the current answer (which is then not added; at the
+prompt it ends the session, exit code 130). When the conversation and an answer of
+``--max-new-tokens`` no longer fit the model's context, its oldest exchanges (a user turn and its
+answer) are dropped until they do (a note on stderr; the system message stays); a message that
+does not fit alone prints the library's message and the session goes on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -28,6 +32,7 @@ from .cli_common import (
     resolve_policy,
     sampling_from_options,
     stock_weights_at_full_depth,
+    stop_from_options,
 )
 
 __all__ = ["chat", "CHAT_COMMANDS"]
@@ -46,6 +51,9 @@ def chat(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass in [0, 1] (1: off; 0: greedy)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed of every answer (int64)."),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Hugging Face's repetition penalty (0.01..100; 1: off)."),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="OpenAI's frequency penalty (-2..2; 0: off)."),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="OpenAI's presence penalty (-2..2; 0: off)."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4, none empty)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
@@ -53,8 +61,14 @@ def chat(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="After each answer, print its tokens/s, mean active layers and theoretical speedup to stderr."),
 ) -> None:
-    """Chat in the terminal with a skip policy: multi-turn, streamed; /reset, /exit."""
-    sampling = sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty)
+    """Chat in the terminal under a skip policy: multi-turn, streamed, /reset and /exit.
+
+    Each answer starts the schedule again, so its first tokens run the widest steps (the embedded
+    model's 2x: the first 14 at full depth); the oldest exchanges are dropped when the
+    conversation outgrows the context."""
+    sampling = sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty, frequency_penalty,
+                                     presence_penalty)
+    stop = stop_from_options(stop)
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if system is not None and not system.strip():
@@ -70,16 +84,16 @@ def chat(
 
     err.print(f"chat: {describe_policy(policy.to_dict(), sk.num_layers)}; {', '.join(CHAT_COMMANDS)}; Ctrl-D ends",
               style="dim", markup=False, highlight=False)
-    run_session(sk, policy, sampling, max_new_tokens, opening, stats)
+    run_session(sk, dict(policy=policy, sampling=sampling, max_new_tokens=max_new_tokens, stop=stop), opening, stats)
 
 
-def run_session(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, opening: list[dict], stats: bool) -> int:
+def run_session(sk: Any, settings: dict[str, Any], opening: list[dict], stats: bool) -> int:
     """Read lines from stdin until ``/exit``, ``/quit`` or end of input; answer each message.
 
     Args:
         sk: the :class:`~skipdecode.model.SkipModel` (with a chat template).
-        policy: the skip policy of every answer; sampling: its
-            :class:`~skipdecode.sampling.SamplingParams`; max_new_tokens: tokens per answer.
+        settings: :func:`skipdecode.generate.generate`'s ``policy``, ``sampling``,
+            ``max_new_tokens`` (tokens per answer) and ``stop`` for every answer.
         opening: the messages every conversation starts with (a system message, or none).
         stats: print each answer's statistics to stderr.
 
@@ -105,12 +119,34 @@ def run_session(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, openin
             err.print(f"unknown command {text}: " + ", ".join(f"{c} ({w})" for c, w in CHAT_COMMANDS.items()),
                       markup=False, highlight=False)
             continue
-        messages = conversation + [{"role": "user", "content": line.rstrip("\n")}]
-        answer = _answer(sk, policy, sampling, max_new_tokens, messages, stats)
+        conversation = _fit(sk, conversation, len(opening), text, settings["max_new_tokens"])
+        messages = conversation + [{"role": "user", "content": text}]
+        answer = _answer(sk, settings, messages, stats)
         if answer is not None:
             conversation = messages + [{"role": "assistant", "content": answer}]
             turns += 1
     return turns
+
+
+def _fit(sk: Any, conversation: list[dict], kept: int, text: str, max_new_tokens: int) -> list[dict]:
+    """``conversation`` without its oldest exchanges (after its first ``kept`` messages) until it,
+    the message ``text`` and ``max_new_tokens`` fit the context (:meth:`Adapter.check_context`);
+    as it is when they fit, or when nothing is left to drop."""
+    from .prompts import encode_prompt
+
+    dropped = 0
+    while len(conversation) > kept:
+        ids = encode_prompt(sk.tokenizer, conversation + [{"role": "user", "content": text}], chat=True)
+        try:
+            sk.adapter.check_context(len(ids), max_new_tokens)
+            break
+        except ValueError:
+            conversation = conversation[:kept] + conversation[kept + 2:]  # one user turn and its answer
+            dropped += 1
+    if dropped:
+        err.print(f"(the conversation outgrew the context: its {dropped} oldest exchange(s) dropped)",
+                  style="dim", markup=False, highlight=False)
+    return conversation
 
 
 def _read_line() -> str | None:
@@ -123,7 +159,7 @@ def _read_line() -> str | None:
         return None
 
 
-def _answer(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, messages: list[dict], stats: bool) -> str | None:
+def _answer(sk: Any, settings: dict[str, Any], messages: list[dict], stats: bool) -> str | None:
     """Stream the answer to ``messages`` to stdout; its text, or None when it failed (the
     library's message is printed) or was interrupted (Ctrl-C)."""
     from .generate import generate as run_generate
@@ -133,8 +169,7 @@ def _answer(sk: Any, policy: Any, sampling: Any, max_new_tokens: int, messages: 
             out.print(chunk.deltas[0], end="", highlight=False, markup=False)
 
     try:
-        result = run_generate(sk.adapter, sk.tokenizer, [messages], policy=policy, sampling=sampling,
-                              max_new_tokens=max_new_tokens, chat=True, on_chunk=show)
+        result = run_generate(sk.adapter, sk.tokenizer, [messages], chat=True, on_chunk=show, **settings)
     except ValueError as e:
         err.print(f"error: {e} (/reset starts a new conversation)", markup=False, highlight=False)
         return None

@@ -92,8 +92,15 @@ def serve(
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
-    if api_key is not None and not api_key.strip():
-        fail("--api-key must hold text (leave it out to serve without a key)")
+    if api_key is None and os.environ.get("SKIPDECODE_API_KEY") is not None:
+        fail("SKIPDECODE_API_KEY is set but empty; give it the key, or unset it to serve without a key")
+    if api_key is not None:
+        from .server import check_api_key
+
+        try:
+            api_key = check_api_key(api_key, "--api-key (or SKIPDECODE_API_KEY)")
+        except ValueError as e:
+            fail(str(e))
     if align_steps and serial:
         fail("--align-steps applies to in-flight batching; drop it or --serial")
     if align_steps is None:

@@ -223,6 +223,11 @@ class StreamChunk:
 class GenerationResult:
     """Output of :func:`generate` for a batch of prompts.
 
+    Each per-row list has one item per row: per prompt, or with ``n`` choices per prompt
+    ``len(prompts) * n`` items, row ``k * n + j`` prompt k's j-th choice (:func:`expand_choices`;
+    each choice's prompt is counted in ``prompt_tokens``, and in a static batch prefilled, once
+    per choice).
+
     Attributes:
         texts: generated text per prompt (stop strings and EOS removed).
         token_ids: generated ids per prompt (including a final EOS if one ended the row).
@@ -412,7 +417,7 @@ def expand_choices(prompts: Sequence[Prompt] | str, sampling: SamplingParams | S
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if n == 1:
         return prompts, sampling
-    params = row_sampling(sampling, len(prompts))
+    params = row_sampling(sampling, len(prompts), unit="prompts")
     return [p for p in prompts for _ in range(n)], [choice_sampling(sp, j) for sp in params for j in range(n)]
 
 

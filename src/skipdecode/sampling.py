@@ -124,9 +124,12 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + j - SEED_MIN) % 2**64 + SEED_MIN)
 
 
-def row_sampling(sampling: SamplingParams | Sequence[SamplingParams] | None, rows: int) -> list[SamplingParams]:
+def row_sampling(sampling: SamplingParams | Sequence[SamplingParams] | None, rows: int,
+                 unit: str = "rows") -> list[SamplingParams]:
     """Each of ``rows`` rows' :class:`SamplingParams`: ``sampling`` for every row (None: greedy),
-    or, given a sequence, its i-th item for row i.
+    or, given a sequence, its i-th item for row i (each item a :class:`SamplingParams`; None
+    items are refused: give ``SamplingParams()`` for a greedy row). ``unit`` names what the rows
+    are in messages ("rows", "prompts").
 
     Raises:
         ValueError: a sequence whose length is not ``rows``, or an item (or ``sampling``) that is
@@ -137,10 +140,11 @@ def row_sampling(sampling: SamplingParams | Sequence[SamplingParams] | None, row
     if isinstance(sampling, (str, bytes)) or not isinstance(sampling, Sequence):
         raise ValueError(f"sampling must be a SamplingParams, one per row, or None; got {type(sampling).__name__}")
     if len(sampling) != rows:
-        raise ValueError(f"sampling holds {len(sampling)} SamplingParams for {rows} rows; give one per row")
+        raise ValueError(f"sampling holds {len(sampling)} SamplingParams for {rows} {unit}; give one per {unit[:-1]}")
     for i, p in enumerate(sampling):
         if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
+            hint = " (SamplingParams() for greedy)" if p is None else ""
+            raise ValueError(f"sampling[{i}] must be a SamplingParams{hint}, got {type(p).__name__}")
     return list(sampling)
 
 

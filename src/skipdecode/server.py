@@ -129,6 +129,23 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
+def check_api_key(api_key: Any, name: str = "api_key") -> str:
+    """``api_key`` without surrounding whitespace (a key read from a file often ends in a newline,
+    which no client sends back).
+
+    Raises:
+        ValueError: not a string, empty, or holding a character other than printable ASCII
+            without spaces (an HTTP header carries it; the ``openai`` client sends ASCII only);
+            the message names ``name``.
+    """
+    key = api_key.strip() if isinstance(api_key, str) else None
+    if not key:
+        raise ValueError(f"{name} must be a non-empty string (leave it out to serve without a key)")
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError(f"{name} must be printable ASCII without spaces (an HTTP header carries it)")
+    return key
+
+
 class _ApiKey:
     """ASGI middleware: a request to an OpenAI route (``/v1/...``) must carry ``Authorization:
     Bearer <api_key>``, as OpenAI's API and vLLM's ``--api-key`` ask; ``/health``, ``/metrics`` and
@@ -145,7 +162,12 @@ class _ApiKey:
             scheme, _, token = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
                 _count_refusal(scope.get("app"), scope.get("path", ""), 401)
-                what = "no API key was given" if not token.strip() else "the API key is not this server's"
+                if not scheme:
+                    what = "no API key was given"
+                elif scheme.lower() != b"bearer":
+                    what = "the Authorization header must use the Bearer scheme"
+                else:
+                    what = "the API key is not this server's"
                 response = _error_response(
                     401, f"{what}: send the header 'Authorization: Bearer <key>' with the key the server was "
                     "started with (skipdecode serve --api-key)", kind="invalid_request_error",
@@ -475,10 +497,10 @@ def create_app(
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
             [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
             (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
-            ``api_key`` empty or not a string.
+            ``api_key`` as :func:`check_api_key` refuses it.
     """
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ValueError("api_key must be a non-empty string (None: no key needed)")
+    if api_key is not None:
+        api_key = check_api_key(api_key)
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed event), got {stream_interval!r}")
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
