@@ -5,11 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +15,7 @@ from conftest import make_model, make_tokenizer
 from skipdecode.cli import app as cli_app
 from skipdecode.model import SkipModel
 from skipdecode.server import create_app
-from test_protocol import free_port
+from test_protocol import serve_cli
 
 KEY = "sk-test-0123"
 BODY = {"prompt": "The Eagle is", "max_tokens": 3}
@@ -105,38 +100,12 @@ def test_cli_refuses_a_bad_key_before_loading(tmp_path, args, env, words):
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory, sk):
-    """``skipdecode serve`` as a process on loopback, its key from SKIPDECODE_API_KEY."""
+    """``skipdecode serve`` as a process on loopback, its key from SKIPDECODE_API_KEY (/health,
+    which the start-up waits on, answers without it)."""
     path = tmp_path_factory.mktemp("keyed") / "tiny"
     sk.save_pretrained(path)
-    port = free_port()
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "SKIPDECODE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(path), "--port", str(port),
-                             "--name", "tiny"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:  # open without the key
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not start within 180 s")
-            time.sleep(0.5)
+    with serve_cli(path, SKIPDECODE_API_KEY=KEY) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_real_server_with_the_openai_client_and_concurrent_bad_keys(keyed_server, sk):

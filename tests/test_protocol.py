@@ -6,6 +6,7 @@ on a real ``skipdecode serve`` process on loopback, driven by the official ``ope
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -387,16 +388,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served_bos(tmp_path_factory, bos_sk):
-    """``skipdecode serve`` in a subprocess on loopback, over the BOS-adding tokenizer's model."""
-    path = tmp_path_factory.mktemp("serve") / "bos"
-    bos_sk.save_pretrained(path)
+@contextlib.contextmanager
+def serve_cli(model_dir: Path, **env_extra: str):
+    """``skipdecode serve --model model_dir --name tiny`` as a process on a free loopback port, with
+    ``env_extra`` in its environment; yields its base URL once ``/health`` answers (at most 180 s),
+    then stops it (SIGTERM, SIGKILL after 20 s)."""
     port = free_port()
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           **env_extra}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(path), "--port", str(port), "--name", "tiny"],
+        [sys.executable, "-m", "skipdecode.cli", "serve", "--model", str(model_dir), "--port", str(port), "--name", "tiny"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -421,6 +423,15 @@ def served_bos(tmp_path_factory, bos_sk):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served_bos(tmp_path_factory, bos_sk):
+    """``skipdecode serve`` in a subprocess on loopback, over the BOS-adding tokenizer's model."""
+    path = tmp_path_factory.mktemp("serve") / "bos"
+    bos_sk.save_pretrained(path)
+    with serve_cli(path) as base:
+        yield base
 
 
 def test_real_server_with_the_openai_client(served_bos, bos_sk):
