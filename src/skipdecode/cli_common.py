@@ -310,6 +310,15 @@ def command_line(ctx: typer.Context) -> str:
 
 
 MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
+#: Help of the sampling options that generate and chat share.
+TEMPERATURE_HELP = "Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."
+TOP_K_HELP = "Keep the k most likely tokens (0: off)."
+TOP_P_HELP = "Nucleus mass in [0, 1] (1: off; 0: the most likely token only, i.e. greedy)."
+REPETITION_PENALTY_HELP = "Hugging Face's repetition penalty over prompt and output tokens (0.01..100; 1: off)."
+FREQUENCY_PENALTY_HELP = "OpenAI's: subtract this times each token's count in the output so far (-2..2; 0: off)."
+PRESENCE_PENALTY_HELP = "OpenAI's: subtract this once from each token already in the output (-2..2; 0: off)."
+STOP_HELP = "Stop string (repeatable, at most 4, none empty)."
+
 NO_ADAPTER_HELP = ("Do not merge the skip adapter shipped for the model (the embedded SmolLM2-135M-Instruct "
                    "has a 2x one, merged by default): run the stock weights.")
 
