@@ -4,6 +4,7 @@ every answer equals the library's greedy answer to the conversation so far."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -116,24 +117,47 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tokenizer):
 
 
 def test_ctrl_c_stops_an_answer_which_is_then_not_kept(model_dir, sk, monkeypatch):
-    import importlib
+    """Ctrl-C after the first streamed token: the answer is dropped from the conversation, and the
+    next turn runs (on a fresh engine: the stopped row stayed in the old one)."""
+    import skipdecode.inflight as inflight
 
-    gen = importlib.import_module("skipdecode.generate")  # the module (the package exports a function of that name)
-
-    real, calls = gen.generate, []
+    real, calls = inflight.generate_inflight, []
 
     def interrupted_once(*args, **kwargs):
         calls.append(args[2])
         if len(calls) == 1:
-            raise KeyboardInterrupt
+            show = kwargs["on_chunk"]
+
+            def stop_after_the_first_token(chunk):
+                show(chunk)
+                raise KeyboardInterrupt
+
+            kwargs = {**kwargs, "on_chunk": stop_after_the_first_token}
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gen, "generate", interrupted_once)
+    monkeypatch.setattr(inflight, "generate_inflight", interrupted_once)
     res = run_chat(model_dir, "The Eagle\nDescribe the restaurant\n")
     assert res.exit_code == 0, res.output
-    assert "answer stopped" in res.stderr
+    assert "answer stopped" in res.stderr and "error" not in res.stderr
     assert calls[1] == [[{"role": "user", "content": "Describe the restaurant"}]]  # the stopped turn is gone
-    assert res.stdout == "\n" + answer(sk, calls[1][0]) + "\n"
+    assert res.stdout.endswith("\n" + answer(sk, calls[1][0]) + "\n")
+
+
+def test_later_turns_reuse_the_earlier_prompts_keys_and_values(model_dir, sk):
+    """The turns share one engine whose prefix cache holds the previous prompt: the second turn
+    prefills only the last answer and the new message, and still answers as a full prefill."""
+    from skipdecode.prompts import encode_prompt
+
+    res = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "-n", str(N)],
+                             input="The Eagle\nDescribe the restaurant\n", env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    cached = [int(m) for m in re.findall(r"\((\d+) cached\)", res.stderr)]
+    first_prompt = encode_prompt(sk.tokenizer, [{"role": "user", "content": "The Eagle"}], chat=True)
+    assert len(cached) == 2 and cached[0] == 0 and 0 < cached[1] <= len(first_prompt)
+    first = answer(sk, [{"role": "user", "content": "The Eagle"}])
+    second = answer(sk, [{"role": "user", "content": "The Eagle"}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": "Describe the restaurant"}])
+    assert res.stdout == f"{first}\n{second}\n"
 
 
 def test_messages_are_sent_stripped_and_stop_strings_apply(model_dir, sk):

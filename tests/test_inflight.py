@@ -410,3 +410,28 @@ def test_on_fresh_thread_returns_raises_and_leaves_no_thread():
         on_fresh_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
     with pytest.raises(SystemExit):
         on_fresh_thread(lambda: (_ for _ in ()).throw(SystemExit(2)))
+
+
+def test_generate_inflight_on_a_given_engine_keeps_its_prefix_cache():
+    """``generate_inflight(engine=)``: a second call whose prompt extends the first one's reuses
+    its keys and values (cached tokens > 0) and gives the text of a fresh engine; the statistics
+    are the call's own; a busy engine or one of another model is refused."""
+    from conftest import make_tokenizer
+    from skipdecode.inflight import generate_inflight
+
+    tok = make_tokenizer()
+    adapter = get_adapter(make_model("llama"))
+    engine = Engine(adapter, 1)
+    first = "The Eagle is a coffee shop by the riverside. The Eagle"
+    one = generate_inflight(adapter, tok, [first], max_new_tokens=4, engine=engine)
+    two = generate_inflight(adapter, tok, [first + " is"], max_new_tokens=4, engine=engine)
+    fresh = generate_inflight(adapter, tok, [first + " is"], max_new_tokens=4)
+    assert one.cached_prompt_tokens == [0] and two.cached_prompt_tokens[0] > 0 and fresh.cached_prompt_tokens == [0]
+    assert two.texts == fresh.texts
+    assert two.decode_steps == 3 and engine.decode_seconds > two.decode_seconds > 0
+    other = get_adapter(make_model("llama"))
+    with pytest.raises(ValueError, match="engine must be an idle Engine"):
+        generate_inflight(other, tok, [first], max_new_tokens=2, engine=engine)
+    engine.submit(Request(tok(first)["input_ids"], 2))
+    with pytest.raises(ValueError, match="engine must be an idle Engine"):
+        generate_inflight(adapter, tok, [first], max_new_tokens=2, engine=engine)

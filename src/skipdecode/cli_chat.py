@@ -2,8 +2,10 @@
 
 Each turn renders the whole conversation so far (an optional system message, then the user and
 assistant turns) with the tokenizer's chat template, prefills it at full depth and streams the
-answer under the policy, as ``skipdecode generate`` does for one prompt; the answer's text is
-then added to the conversation. Every answer starts its schedule at decode step 1, so its first
+answer under the policy; the answer's text is then added to the conversation. The turns run on
+one in-flight engine (:class:`~skipdecode.engine.Engine`, one row) whose prefix cache carries over,
+so a turn prefills only what the previous prompt did not hold (the last answer, whose own keys and
+values lack the layers its steps skipped, and the new message): the same text as a full prefill. Every answer starts its schedule at decode step 1, so its first
 tokens run the policy's widest steps (the embedded model's 2x: its first 14 tokens at full
 depth). The conversation is the only state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of
 input (Ctrl-D) ends the session, Ctrl-C stops the current answer (which is then not added; at the
@@ -107,8 +109,11 @@ def run_session(sk: Any, settings: dict[str, Any], opening: list[dict], stats: b
     Returns:
         The number of answers given (turns).
     """
+    from .engine import Engine
+
     conversation = list(opening)
     turns = 0
+    engine = Engine(sk.adapter, 1)  # its prefix cache keeps the conversation's prompts from turn to turn
     while True:
         line = _read_line()
         if line is None:
@@ -128,7 +133,9 @@ def run_session(sk: Any, settings: dict[str, Any], opening: list[dict], stats: b
             continue
         conversation = _fit(sk, conversation, len(opening), text, settings["max_new_tokens"])
         messages = conversation + [{"role": "user", "content": text}]
-        answer = _answer(sk, settings, messages, stats)
+        answer = _answer(sk, settings, messages, stats, engine)
+        if engine.busy:  # an answer stopped by Ctrl-C left its row in the engine
+            engine = Engine(sk.adapter, 1)
         if answer is not None:
             conversation = messages + [{"role": "assistant", "content": answer}]
             turns += 1
@@ -166,17 +173,18 @@ def _read_line() -> str | None:
         return None
 
 
-def _answer(sk: Any, settings: dict[str, Any], messages: list[dict], stats: bool) -> str | None:
-    """Stream the answer to ``messages`` to stdout; its text, or None when it failed (the
-    library's message is printed) or was interrupted (Ctrl-C)."""
-    from .generate import generate as run_generate
+def _answer(sk: Any, settings: dict[str, Any], messages: list[dict], stats: bool, engine: Any) -> str | None:
+    """Stream the answer to ``messages`` to stdout, run on ``engine``; its text, or None when it
+    failed (the library's message is printed) or was interrupted (Ctrl-C)."""
+    from .inflight import generate_inflight
 
     def show(chunk) -> None:
         if chunk.deltas[0]:
             out.print(chunk.deltas[0], end="", highlight=False, markup=False)
 
     try:
-        result = run_generate(sk.adapter, sk.tokenizer, [messages], chat=True, on_chunk=show, **settings)
+        result = generate_inflight(sk.adapter, sk.tokenizer, [messages], chat=True, on_chunk=show, engine=engine,
+                                   **settings)
     except ValueError as e:
         err.print(f"error: {e} (/reset starts a new conversation)", markup=False, highlight=False)
         return None
@@ -187,7 +195,8 @@ def _answer(sk: Any, settings: dict[str, Any], messages: list[dict], stats: bool
     out.print()
     if stats:
         s = result.stats()
-        err.print(f"[dim]{s['new_tokens']} tok, {s['tokens_per_second']:.1f} tok/s, "
+        err.print(f"[dim]prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached), "
+                  f"{s['new_tokens']} tok, {s['tokens_per_second']:.1f} tok/s, "
                   f"{s['mean_active_layers']:.2f}/{sk.num_layers} layers, theoretical {s['theoretical_speedup']:.2f}x, "
                   f"{result.finish_reasons[0]}[/]", highlight=False)
     return result.texts[0]

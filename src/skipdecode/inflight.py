@@ -33,13 +33,18 @@ def generate_inflight(
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
     logprobs: int | None = None,
+    engine: Engine | None = None,
 ) -> GenerationResult:
     """:func:`generate` with in-flight batching (:class:`~skipdecode.engine.Engine`): each prompt
     is a row with its own decode step; at most ``max_batch_size`` rows decode at once, and waiting
     prompts join in cohorts of at least ``cohort_size`` rows; ``prefix_cache`` as in
     :class:`Engine` (prompts sharing a prefix reuse its K/V; texts unchanged); ``logprobs`` as in
     :func:`skipdecode.generate.stream_generate`; ``sampling`` one :class:`SamplingParams` for every
-    prompt or one per prompt.
+    prompt or one per prompt. ``engine``: an idle :class:`Engine` of ``adapter`` to run on instead
+    of a new one (``max_batch_size``, ``cohort_size`` and ``prefix_cache`` are then its own), so
+    that its prefix cache carries over from call to call (a conversation's earlier prompts prefill
+    only once, as ``skipdecode chat`` does); the statistics are this call's. A call interrupted
+    by an exception may leave it busy: do not reuse it then.
 
     Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
     and in decode steps; ``layers_run`` holds one entry per row per decode step, and
@@ -51,7 +56,8 @@ def generate_inflight(
     Raises:
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
             (before anything runs); ``max_batch_size`` < 1; ``cohort_size`` outside
-            [1, ``max_batch_size``]; a bad ``prefix_cache``; ``stop`` as in
+            [1, ``max_batch_size``]; a bad ``prefix_cache``; an ``engine`` that is busy or of
+            another adapter; ``stop`` as in
             :func:`skipdecode.limits.check_stop`; ``policy`` and ``logprobs`` as in :meth:`Engine.check`.
     """
     stop = check_stop(stop)
@@ -62,7 +68,11 @@ def generate_inflight(
         eos_token_ids = _eos_ids(tokenizer, adapter.model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_token_ids[0] if eos_token_ids else 0)
     texts = [RowText(tokenizer, eos_token_ids, stop) for _ in prompts]
-    engine = Engine(adapter, max_batch_size, cohort_size=cohort_size, prefix_cache=prefix_cache)
+    if engine is None:
+        engine = Engine(adapter, max_batch_size, cohort_size=cohort_size, prefix_cache=prefix_cache)
+    elif engine.adapter is not adapter or engine.busy:
+        raise ValueError("engine must be an idle Engine of this model's adapter (or None for a new one)")
+    before = (engine.prefill_seconds, engine.decode_seconds, engine.steps)  # this call's share only
     params = row_sampling(sampling, len(prompts))  # one per row (expand_choices' rows)
     requests = [
         Request(ids[i][mask[i].bool()].tolist(), max_new_tokens, policy, params[i], tuple(eos_token_ids),
@@ -98,7 +108,7 @@ def generate_inflight(
                 step_logprobs[i] = ev.logprobs
         if on_chunk is not None and events:
             widest = max(ev.num_layers_run for ev in events)
-            on_chunk(StreamChunk(engine.steps - 1, column.to(device), deltas, tuple(range(widest)), list(finished),
+            on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas, tuple(range(widest)), list(finished),
                                  step_logprobs))
     return GenerationResult(
         texts=[t.text for t in texts],
@@ -106,12 +116,12 @@ def generate_inflight(
         finish_reasons=[t.reason for t in texts],
         prompt_tokens=[len(r.prompt_ids) for r in requests],
         new_tokens=[len(t.ids) for t in texts],
-        prefill_seconds=engine.prefill_seconds,
-        decode_seconds=engine.decode_seconds,
+        prefill_seconds=engine.prefill_seconds - before[0],
+        decode_seconds=engine.decode_seconds - before[1],
         decode_steps=len(layers_run),
         layers_run=layers_run,
         num_layers=adapter.num_layers,
-        batch_size=min(max_batch_size, len(prompts)),
+        batch_size=min(engine.max_batch_size, len(prompts)),
         policy=policy.to_dict(),
         cached_prompt_tokens=cached,
         mean_batch_rows=mean_batch_rows(done_rows),
