@@ -46,8 +46,8 @@ def generate_inflight(
     only once, as ``skipdecode chat`` does); the statistics are this call's. A call interrupted
     by an exception may leave it busy: do not reuse it then.
 
-    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the engine's total time in prefills
-    and in decode steps; ``layers_run`` holds one entry per row per decode step, and
+    Statistics: ``prefill_seconds`` and ``decode_seconds`` are the time the engine spent in this
+    call's prefills and decode steps; ``layers_run`` holds one entry per row per decode step, and
     ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
     run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
     :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
@@ -108,8 +108,8 @@ def generate_inflight(
                 step_logprobs[i] = ev.logprobs
         if on_chunk is not None and events:
             widest = max(ev.num_layers_run for ev in events)
-            on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas, tuple(range(widest)), list(finished),
-                                 step_logprobs))
+            on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas, tuple(range(widest)),
+                                 list(finished), step_logprobs))
     return GenerationResult(
         texts=[t.text for t in texts],
         token_ids=[t.ids for t in texts],
