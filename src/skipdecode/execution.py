@@ -15,10 +15,10 @@ import asyncio
 from typing import Any
 
 from .engine import Request, Row, TokenEvent, mean_batch_rows
-from .generate import GenerationResult, RowText, _eos_ids
+from .generate import GenerationResult, RowText, _eos_ids, expand_choices
 from .logprobs import TokenLogprobs
 from .model import SkipModel
-from .sampling import choice_sampling
+from .sampling import row_sampling
 from .scheduler import Scheduler
 
 __all__ = ["Executor", "Submission"]
@@ -149,7 +149,7 @@ class Executor:
         """Queue ``job`` (a :class:`~skipdecode.protocol.ValidRequest`: ``prompts`` as token ids,
         ``max_new_tokens``, ``policy``, ``sampling``, ``stop``, ``ignore_eos``, ``logprobs``, ``n``:
         ``n`` rows per prompt, row ``k * n + j`` prompt k's choice j with
-        :func:`~skipdecode.sampling.choice_sampling`); call it on the event loop.
+        :func:`~skipdecode.generate.expand_choices`); call it on the event loop.
 
         Raises:
             ValueError: the engine refuses a row (names ``max_new_tokens`` or ``prompts``), or the
@@ -159,7 +159,8 @@ class Executor:
         """
         tok = self.model.tokenizer
         n = getattr(job, "n", 1)
-        rows = [(ids, j) for ids in job.prompts for j in range(n)]  # row k * n + j: prompt k's choice j
+        rows, sampling = expand_choices(job.prompts, job.sampling, n)  # row k * n + j: prompt k's choice j
+        params = row_sampling(sampling, len(rows))
         room = self.scheduler.max_waiting + self.scheduler.max_batch_size
         if len(rows) > room:  # never fits, however long the client retries: a 400, not a 429
             raise ValueError(f"n: {len(job.prompts)} prompt(s) x n={n} need {len(rows)} rows, more than this "
@@ -168,9 +169,9 @@ class Executor:
         texts = [RowText(tok, self.eos_token_ids, job.stop, ends_at_eos=not job.ignore_eos) for _ in rows]
         ends = () if job.ignore_eos else tuple(self.eos_token_ids)
         reqs = [
-            Request(list(ids), job.max_new_tokens, job.policy, choice_sampling(job.sampling, j), ends,
+            Request(list(ids), job.max_new_tokens, job.policy, params[i], ends,
                     texts[i].stopped if texts[i].stop else None, tag=i, logprobs=job.logprobs)
-            for i, (ids, j) in enumerate(rows)
+            for i, ids in enumerate(rows)
         ]
         sub = Submission(self.scheduler, reqs, texts, job, self.stream_interval)
         sub.start()
