@@ -256,3 +256,10 @@ def test_bench_output_problem_names_the_option_value_and_its_folder(saved, tmp_p
     output = folder / "x.json"
     res, text = _run(["bench", "--model", str(saved), "--output", str(output)])
     _one_line_exit_2(res, text, f"error: --output {output}: {want}")
+
+
+def test_eval_stop_help_keeps_its_own_default():
+    """eval's --stop has its own default (a newline for E2E) and its '' form: its help says so,
+    unlike generate's and chat's shared stop help."""
+    res, text = _run(["eval", "--help"])
+    assert res.exit_code == 0 and "default:newlineforE2E" in text and "--stop''aloneforn" in text, res.output

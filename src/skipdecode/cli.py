@@ -280,7 +280,7 @@ def eval_command(
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items (after --offset)."),
     offset: int = typer.Option(0, "--offset", help="Skip the first N items (evaluate a shard; join shards with benchmarks/plot_eval.py --concat)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens per item (default: 64 for E2E/plain, 128 for CNN/DM)."),
-    stop: List[str] = typer.Option([], "--stop", help=STOP_HELP),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4; default: newline for E2E, none otherwise; --stop '' alone for none)."),
     metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, nist, rouge1, rouge2, rougeL (default: by task)."),
     calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold in [0, 1] (1: never exit; repeatable)."),
     calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="Fewest layers a CALM token runs before it may exit."),
