@@ -2,17 +2,18 @@
 
 Each turn renders the whole conversation so far (an optional system message, then the user and
 assistant turns) with the tokenizer's chat template, prefills it at full depth and streams the
-answer under the policy; the answer's text is then added to the conversation. The turns run on
-one in-flight engine (:class:`~skipdecode.engine.Engine`, one row) whose prefix cache carries over,
-so a turn prefills only what the previous prompt did not hold (the last answer, whose own keys and
-values lack the layers its steps skipped, and the new message): the same text as a full prefill. Every answer starts its schedule at decode step 1, so its first
-tokens run the policy's widest steps (the embedded model's 2x: its first 14 tokens at full
-depth). The conversation is the only state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of
-input (Ctrl-D) ends the session, Ctrl-C stops the current answer (which is then not added; at the
-prompt it ends the session, exit code 130). When the conversation and an answer of
-``--max-new-tokens`` no longer fit the model's context, its oldest exchanges (a user turn and its
-answer) are dropped until they do (a note on stderr; the system message stays); a message that
-does not fit alone prints the library's message and the session goes on.
+answer under the policy; the answer's text is then added to the conversation. The turns run on one
+in-flight engine (:class:`~skipdecode.engine.Engine`, one row) whose prefix cache carries over, so
+a turn prefills only what the previous prompt did not hold (the last answer, whose own keys and
+values lack the layers its steps skipped, and the new message): the same text as a full prefill.
+Every answer starts its schedule at decode step 1, so its first tokens run the policy's widest
+steps (the embedded model's 2x: its first 14 tokens at full depth). The conversation is the only
+state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session,
+Ctrl-C stops the current answer (which is then not added; at the prompt it ends the session, exit
+code 130). When the conversation and an answer of ``--max-new-tokens`` no longer fit the model's
+context, its oldest exchanges (a user turn and its answer) are dropped until they do (a note on
+stderr; the system message stays); a message that does not fit alone prints the library's message
+and the session goes on.
 """
 
 from __future__ import annotations
