@@ -4,8 +4,9 @@ Each turn renders the whole conversation so far (an optional system message, the
 assistant turns) with the tokenizer's chat template, prefills it at full depth and streams the
 answer under the policy; the answer's text is then added to the conversation. The turns run on one
 in-flight engine (:class:`~skipdecode.engine.Engine`, one row) whose prefix cache carries over, so
-a turn prefills only what the previous prompt did not hold (the last answer, whose own keys and
-values lack the layers its steps skipped, and the new message): the same text as a full prefill.
+a turn reuses the previous prompt's keys and values (in whole blocks of the cache) and prefills
+the rest: the last answer, whose own keys and values lack the layers its steps skipped, and the new
+message. The text is the same as after a full prefill.
 Every answer starts its schedule at decode step 1, so its first tokens run the policy's widest
 steps (the embedded model's 2x: its first 14 tokens at full depth). The conversation is the only
 state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session,
@@ -18,6 +19,7 @@ and the session goes on.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Optional
 
 import typer
@@ -165,8 +167,10 @@ def _fit(sk: Any, conversation: list[dict], kept: int, text: str, max_new_tokens
 
 
 def _read_line() -> str | None:
-    """One line of input after a ``>>>`` prompt on stderr; None at end of input."""
-    err.print("[bold]>>> [/]", end="")
+    """One line of input, after a ``>>>`` prompt on stderr when stdin is a terminal (piped input
+    is not echoed, so a prompt would only run into the next stderr line); None at end of input."""
+    if sys.stdin.isatty():
+        err.print("[bold]>>> [/]", end="")
     try:
         return input()
     except EOFError:
