@@ -1,4 +1,5 @@
-"""Every ```python example of the README and of docs/*.md runs as written.
+"""Every ```python example of the README and of docs/*.md runs as written, and every
+``skipdecode`` command they show names a real subcommand and real options.
 
 A page's examples run in order in one namespace (a later example may use an earlier one's
 ``model``), with ``skipdecode.load`` called without a model name answering a tiny random Llama
@@ -23,12 +24,30 @@ from skipdecode import LinearDecayPolicy, SkipModel
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def split_markdown(text: str) -> tuple[list[tuple[str, str]], str]:
+    """``([(language, code), ...], prose)``: each fenced block of a Markdown ``text`` in order
+    (fences open and close in turn, so a closing fence never starts a block), and the lines
+    outside them."""
+    blocks, lang, code, prose = [], None, [], []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, code = line[3:].strip(), []
+            else:
+                blocks.append((lang, "\n".join(code) + "\n"))
+                lang = None
+        elif lang is not None:
+            code.append(line)
+        else:
+            prose.append(line)
+    return blocks, "\n".join(prose)
 
 
 def examples(page: Path) -> list[str]:
     """The ```python blocks of ``page``, in order."""
-    return FENCE.findall(page.read_text(encoding="utf-8"))
+    return [code for lang, code in split_markdown(page.read_text(encoding="utf-8"))[0] if lang == "python"]
 
 
 PAGES_WITH_EXAMPLES = [p for p in PAGES if examples(p)]
@@ -79,3 +98,48 @@ def test_the_readme_example_prints_one_answer_per_prompt(tiny_dir, monkeypatch):
     result = namespace["result"]
     assert len(result.texts) == 2 and result.finish_reasons
     assert result.stats()["theoretical_speedup"] > 1  # the tiny model's policy_for(speedup=2) skips layers
+
+
+def cli_lines(page: Path) -> list[str]:
+    """Shell lines of ``page``'s code blocks and its inline code spans that run ``skipdecode``."""
+    blocks, prose = split_markdown(page.read_text(encoding="utf-8"))
+    shell = [code for lang, code in blocks if lang in ("", "bash", "sh", "shell", "console")]
+    lines = [ln for code in shell for ln in code.replace("\\\n", " ").splitlines()]
+    spans = re.findall(r"`(skipdecode(?: [^`]*)?)`", prose)  # inline code that starts with the command
+    return [s for s in lines if re.search(r"(^|[\s;&|(])skipdecode( |$)", s)] + spans
+
+
+def cli_calls(line: str) -> list[tuple[str | None, list[str]]]:
+    """``(subcommand or None, --options)`` of each ``skipdecode`` call in a shell ``line``."""
+    calls = []
+    for part in re.split(r"&&|\|\||[;&|]", line.split(" #")[0]):
+        words = part.split()
+        if "skipdecode" not in words:
+            continue
+        args = words[words.index("skipdecode") + 1:]
+        sub = args[0] if args and not args[0].startswith("-") else None
+        calls.append((sub, [a.split("=")[0] for a in args if re.fullmatch(r"--[a-z][\w-]*(=.*)?", a)]))
+    return calls
+
+
+def test_every_documented_cli_command_and_option_exists():
+    """Each ``skipdecode ...`` of the README and docs/ names a real subcommand, and each of its
+    ``--options`` is one that subcommand takes (the same options its ``--help`` lists)."""
+    import typer
+
+    from skipdecode.cli import app
+
+    group = typer.main.get_command(app)
+    wrong, seen = [], 0
+    for page in PAGES:
+        for line in cli_lines(page):
+            for sub, options in cli_calls(line):
+                seen += 1
+                command = group if sub is None else group.commands.get(sub)
+                if command is None:
+                    wrong.append(f"{page.name}: no command {sub!r} in {line.strip()!r}")
+                    continue
+                known = {o for p in command.params for o in p.opts + p.secondary_opts} | {"--help"}
+                wrong += [f"{page.name}: {sub} has no {o} in {line.strip()!r}" for o in options if o not in known]
+    assert seen > 30  # the README and docs document dozens of commands
+    assert not wrong, "\n".join(wrong)
