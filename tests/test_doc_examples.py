@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,9 @@ def test_examples_run_as_written(page, tiny_dir, monkeypatch):
         return real_load(str(tiny_dir) if model is None else model, **kwargs)
 
     monkeypatch.setattr(skipdecode, "load", load)
-    namespace: dict = {"__name__": f"doc_{page.stem}"}
+    module = types.ModuleType(f"doc_{page.stem}")  # a real module: dataclasses look their class's module up
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace = module.__dict__
     out = io.StringIO()
     for i, code in enumerate(examples(page)):
         with contextlib.redirect_stdout(out):

@@ -33,7 +33,7 @@ from .cache import SkipCache, SlotCache
 from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
-from .policy import FullPolicy, SkipPolicy, check_policy
+from .policy import FullPolicy, SkipPolicy, check_policy, plan_layers
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
 
@@ -392,7 +392,7 @@ class Engine:
         row_layers = torch.zeros((len(rows), L), dtype=torch.bool)
         counts = []
         for i, r in enumerate(rows):
-            active = (r.request.policy or FullPolicy(L)).active_layers(r.step + 1)
+            active = plan_layers(r.request.policy or FullPolicy(L), r.step + 1)
             row_layers[i, list(active)] = True
             counts.append(len(active))
         mask = (torch.arange(K)[None, :] <= positions[:, None]).long()

@@ -103,7 +103,8 @@ def report_markdown(report: Report) -> str:
     head = (["model", "policy", "ref"] + [METRIC_LABELS[m] for m in order]
             + ["mean layers", "theor. speedup", "tok/s", "wall-clock speedup", "decode-step speedup", "batch"])
     lines = [
-        f"# Evaluation: {meta.get('data', '?')} ({meta.get('n_items', '?')} items, task {meta.get('task', '?')})",
+        f"# Evaluation: {meta.get('data') or 'items given in Python'} ({meta.get('n_items', '?')} items, "
+        f"task {meta.get('task', '?')})",
         "",
         _run_line(meta),
         "",

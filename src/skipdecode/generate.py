@@ -21,7 +21,7 @@ from .lowrank import base_prefill
 from .forward import skip_forward
 from .limits import check_stop
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
-from .policy import SkipPolicy, check_policy, theoretical_speedup
+from .policy import SkipPolicy, check_policy, plan_layers, theoretical_speedup
 from .prompts import Prompt, encode_prompt
 from .row_text import RowText  # noqa: F401  (part of this module's API, as before)
 from .sampling import Sampler, SamplingParams, choice_sampling, row_sampling
@@ -166,7 +166,7 @@ def generate_step(
             with base_weights():  # a decode-only skip adapter is off in the prefill
                 logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
-            active = policy.active_layers(step)
+            active = plan_layers(policy, step)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             # a step that runs every layer runs the base model (a decode-only skip adapter is for skipping)
             with base_weights() if len(active) == adapter.num_layers else nullcontext():

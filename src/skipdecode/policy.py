@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "SkipPolicy",
     "check_policy",
+    "plan_layers",
     "FullPolicy",
     "LinearDecayPolicy",
     "for_speedup",
@@ -263,7 +264,40 @@ def check_policy(policy: Any, num_layers: int) -> SkipPolicy:
         )
     if policy.num_layers != num_layers:
         raise ValueError(f"policy.num_layers ({policy.num_layers}) must equal the model's num_layers ({num_layers})")
+    plan_layers(policy, 1)  # a policy of one's own: its first decode step's plan is checked before any work
     return policy
+
+
+def plan_layers(policy: SkipPolicy, step: int) -> tuple[int, ...]:
+    """``policy.active_layers(step)``, checked: the layers (0-indexed) decode ``step`` runs.
+
+    The policies of this module hold the rules by construction and are returned as they are. A
+    policy of one's own (any object with the :class:`SkipPolicy` methods) is checked at each
+    step against what every plan needs: at least one layer, integers ascending without repeats,
+    each in ``[0, L)``, the last layer ``L - 1`` among them (the model's final norm and LM head
+    read its output; module docstring, rule 3). Rule 2 (a layer skipped once never runs again)
+    spans steps and is checked by the KV cache, which raises RuntimeError when it is broken.
+
+    Raises:
+        ValueError: the plan breaks a rule; the message starts with ``policy.active_layers(step)``.
+    """
+    active = policy.active_layers(step)
+    if type(policy) in (FullPolicy, LinearDecayPolicy):
+        return active
+    L = policy.num_layers
+    where = f"policy.active_layers({step})"
+    try:
+        layers = tuple(active)
+    except TypeError:
+        raise ValueError(f"{where} must return a tuple of layer indices, got {active!r}") from None
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise ValueError(f"{where} must hold integer layer indices, got {layers!r}")
+    if not layers or layers[-1] != L - 1 or layers[0] < 0 or any(a >= b for a, b in zip(layers, layers[1:])):
+        raise ValueError(
+            f"{where} must be ascending layer indices in [0, {L}) without repeats, ending with the "
+            f"last layer {L - 1} (its output feeds the LM head), got {layers!r}"
+        )
+    return layers
 
 
 def with_full_depth_steps(policy: Any, k: int | None) -> Any:

@@ -17,7 +17,7 @@ import torch
 
 from ..data import DataError, Example, load_examples
 from ..generate import encode_prompts
-from ..policy import SkipPolicy
+from ..policy import SkipPolicy, plan_layers
 from ..skip_config import sha256_file as _sha256_file  # one sha256 helper for data and checkpoints
 from .config import TrainConfig, TrainConfigError, _is_int
 
@@ -218,7 +218,7 @@ def build_layer_mask(
     n_resp = int((s_len - p_len).max()) if B else 0
     table = torch.zeros((max(n_resp, 1), num_layers), dtype=torch.bool)
     for i in range(n_resp):
-        table[i, list(policy.active_layers(i + 1))] = True
+        table[i, list(plan_layers(policy, i + 1))] = True
     pos = torch.arange(T)[None, :]  # (1, T)
     resp_idx = pos - p_len[:, None]  # (B, T), response index held at each position
     in_prompt = resp_idx < 0
