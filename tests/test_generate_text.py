@@ -357,3 +357,13 @@ def test_nan_logits_never_reach_a_token(params):
     logits[1, 7] = float("nan")
     with pytest.raises(RuntimeError, match="NaN"):
         Sampler(params)(logits)
+
+
+@pytest.mark.parametrize("prompts", [None, 123, {"role": "user", "content": "hi"}, b"hi"],
+                         ids=["None", "int", "dict", "bytes"])
+def test_prompts_that_are_neither_a_string_nor_a_list_name_the_argument(sk, prompts):
+    calls = {"generate": lambda: sk.generate(prompts), "in flight": lambda: sk.generate(prompts, max_batch_size=2),
+             "stream": lambda: next(iter(sk.stream_generate(prompts)))}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^prompts must be a string or a list of prompts.*got {type(prompts).__name__}"):
+            call()

@@ -22,7 +22,7 @@ from .forward import skip_forward
 from .limits import check_stop
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import SkipPolicy, check_policy, plan_layers, theoretical_speedup
-from .prompts import Prompt, encode_prompt
+from .prompts import Prompt, encode_prompt, prompt_list
 from .row_text import RowText  # noqa: F401  (part of this module's API, as before)
 from .sampling import Sampler, SamplingParams, choice_sampling, row_sampling
 
@@ -410,11 +410,12 @@ def expand_choices(prompts: Sequence[Prompt] | str, sampling: SamplingParams | S
     unchanged when ``n`` is 1.
 
     Raises:
-        ValueError: ``n`` not an integer >= 1 (the message names ``n``); ``sampling`` as in
+        ValueError: ``n`` not an integer >= 1 (the message names ``n``); ``prompts`` neither a
+            string nor a list (:func:`~skipdecode.prompts.prompt_list`); ``sampling`` as in
             :func:`~skipdecode.sampling.row_sampling`.
     """
     check_choices(n)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = prompt_list(prompts)
     if n == 1:
         return prompts, sampling
     params = row_sampling(sampling, len(prompts), unit="prompts")

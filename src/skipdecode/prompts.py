@@ -22,10 +22,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-__all__ = ["Prompt", "encode_prompt", "is_conversation", "is_token_ids"]
+__all__ = ["Prompt", "encode_prompt", "is_conversation", "is_token_ids", "prompt_list"]
 
 #: A string, a conversation (sequence of message mappings) or token ids (sequence of ints).
 Prompt = Union[str, Sequence[int], Sequence[Mapping[str, Any]]]
+
+
+def prompt_list(prompts: Any) -> list:
+    """``prompts`` as a list of prompts: a string is one prompt, a list or tuple (or another
+    iterable) holds one prompt per item, each checked later by :func:`encode_prompt`.
+
+    Raises:
+        ValueError: ``prompts`` is neither (None, a number, a dict, bytes); the message names
+            ``prompts`` and its type.
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts is None or isinstance(prompts, (bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+        raise ValueError(
+            "prompts must be a string or a list of prompts (strings, chat conversations or token-id lists), "
+            f"got {type(prompts).__name__} {prompts!r}"[:300]
+        )
+    return list(prompts)
 
 
 def is_token_ids(prompt: Any) -> bool:
