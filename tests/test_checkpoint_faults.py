@@ -144,6 +144,8 @@ def test_cli_train_resume_with_a_damaged_file_exits_2(cli_inputs, tmp_path):
             "--batch-size", "2", "--checkpoint-every", "1", "--no-progress", "--out", str(tmp_path / "run")]
     res, _ = _cli(args)
     assert res.exit_code == 0, res.output
+    res, text = _cli(args)  # the same command again, without --resume: names the option to add
+    assert res.exit_code == 2 and "already holds checkpoints" in text and "(--resume on the command line)" in text
     _truncate(latest_checkpoint(tmp_path / "run") / "train_state" / "optimizer.pt")
     res, text = _cli(args + ["--resume"])
     assert res.exit_code == 2 and "Traceback" not in res.output
@@ -190,3 +192,20 @@ def test_loading_a_checkpoint_folder_verifies_its_weights(killed_run, tmp_path):
         _flip(ckpt / "model.safetensors")
         with pytest.raises(LoadError, match=r"model\.safetensors: its sha256 differs from the one recorded"):
             load(ckpt)
+
+
+def test_a_run_refused_before_writing_leaves_no_empty_out_dir(tmp_path):
+    """The out folder (and its parents) that a refused run created are removed again; a folder that
+    existed before, or one that holds anything, is kept."""
+    from skipdecode.data import DataError
+
+    out = tmp_path / "new" / "deeper" / "run"
+    with pytest.raises(DataError):
+        train(tiny_skipmodel(), str(tmp_path / "missing.jsonl"), cfg(out))
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    (kept / "run").mkdir(parents=True)
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(DataError):
+        train(tiny_skipmodel(), str(tmp_path / "missing.jsonl"), cfg(kept / "run"))
+    assert (kept / "run").is_dir() and (kept / "notes.txt").read_text() == "mine"

@@ -306,8 +306,9 @@ def test_missing_spec_without_datasets(monkeypatch, tmp_path):
 def test_missing_file_like_spec_never_goes_to_the_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "_datasets_available", lambda: True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DataError, match=r"no_such_file\.jsonl: file does not exist$"):
+    with pytest.raises(DataError, match=r"no_such_file\.jsonl: file does not exist here") as err:
         load_examples("no_such_file.jsonl")
+    assert "Hugging Face" not in str(err.value)
 
 
 def test_hub_spec_uses_datasets_when_available(monkeypatch, tmp_path):
@@ -431,3 +432,21 @@ def test_real_cnndm_has_80_articles():
         pytest.skip("cnndm file not present")
     items = load_eval_items(path)
     assert len(items) == 80 and all(len(i.references) == 1 for i in items)
+
+
+def test_a_missing_relative_data_file_says_where_it_was_looked_for(monkeypatch, tmp_path):
+    """A relative path is read from the current folder, else from the shared data folder: the
+    error names both, or says that no shared data folder was found."""
+    from skipdecode.data import DataError, load_examples
+    from skipdecode.data import folder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path / "shared"))
+    with pytest.raises(DataError, match=r"e2e/none\.csv: file does not exist here or in the shared data folder "
+                                        r".*shared \(SKIPDECODE_DATA\)"):
+        load_examples("e2e/none.csv")
+    monkeypatch.setattr(folder, "default_data_dir", lambda: None)
+    with pytest.raises(DataError, match=r"no shared data folder was found.*set SKIPDECODE_DATA"):
+        load_examples("e2e/none.csv")
+    with pytest.raises(DataError, match=r"/abs/none\.csv: file does not exist$"):
+        load_examples("/abs/none.csv")

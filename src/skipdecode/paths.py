@@ -74,3 +74,25 @@ def writable_dir_problem(folder: str | os.PathLike) -> str | None:
     except OSError as err:
         return f"{folder} cannot be written: {err.strerror or err}"
     return None
+
+
+def remove_new_empty_dirs(folder: str | os.PathLike, existing: str | os.PathLike) -> None:
+    """Remove ``folder`` and its parents up to ``existing`` (an ancestor that existed before, or
+    ``folder`` itself) while they are empty: undoes :func:`writable_dir_problem`'s creation after
+    work that failed before writing anything. A folder holding anything is kept, so no file is
+    ever removed; errors are ignored (another process may be writing)."""
+    folder, existing = Path(folder).absolute(), Path(existing).absolute()
+    while folder != existing and existing in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+def first_existing(folder: str | os.PathLike) -> Path:
+    """``folder`` or its nearest ancestor that exists (absolute)."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

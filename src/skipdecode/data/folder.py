@@ -75,3 +75,17 @@ def shared_data_path(given: str | os.PathLike | None, relative: str | os.PathLik
         raise DataError(f"no {option} given and {problem}; pass {option} or set SKIPDECODE_DATA "
                         "to the folder that holds it")
     return str(path)
+
+
+def missing_file_message(path: str | os.PathLike) -> str:
+    """Why a data file is missing, in words: for a relative path, also where the readers looked
+    in the shared data folder (they read ``e2e/devset.csv`` from there when the current folder
+    has no such file), or that no shared data folder was found."""
+    if Path(path).expanduser().is_absolute():
+        return "file does not exist"
+    root = default_data_dir()
+    if root is None:
+        return ("file does not exist here, and no shared data folder was found to look in (set SKIPDECODE_DATA "
+                "to the folder that holds the datasets)")
+    source = " (SKIPDECODE_DATA)" if os.environ.get("SKIPDECODE_DATA") else ""
+    return f"file does not exist here or in the shared data folder {root}{source}"

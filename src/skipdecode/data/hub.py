@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .records import DataError, EvalItem, ReadResult
+from .folder import missing_file_message
 from .rows import _convert, _field_str, _Rows
 from .templates import format_prompt
 
@@ -22,7 +23,7 @@ def _hub_rows(spec: str, split: str) -> tuple[str, list[tuple[int, dict[str, Any
     looks_like_file = (Path(spec).suffix.lower() in (".csv", ".jsonl", ".json", ".txt")
                        or Path(spec).expanduser().is_absolute())
     if looks_like_file:
-        raise DataError("file does not exist", path=spec)
+        raise DataError(missing_file_message(spec), path=spec)
     if not _datasets_available():
         raise DataError(
             "file does not exist (and it cannot be read as a Hugging Face dataset name: "

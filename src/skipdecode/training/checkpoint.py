@@ -245,8 +245,8 @@ def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int,
     existing = _checkpoints(out_dir)
     if not config.resume:
         if existing:
-            raise TrainConfigError("out_dir", f"{out_dir} already holds checkpoints ({existing[-1][1].name}); "
-                                              "pass resume to continue that run or choose another directory")
+            raise TrainConfigError("out_dir", f"{out_dir} already holds checkpoints ({existing[-1][1].name}); continue "
+                                              "that run with resume=True (--resume on the command line) or choose another directory")
         if (out_dir / "final").exists():
             raise TrainConfigError("out_dir", f"{out_dir} already holds a finished model ({out_dir / 'final'}); "
                                               "choose another directory (or remove it) to train again")

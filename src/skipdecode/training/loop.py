@@ -32,6 +32,7 @@ from ..adapters import Adapter, get_adapter
 from ..data import Example
 from ..model import SkipModel
 from ..policy import SkipPolicy
+from ..paths import first_existing, remove_new_empty_dirs
 from . import checkpoint as ck
 from .batching import Batch, TokenizedExample, _hash_examples, _Order, _policy_index, build_layer_mask, collate
 from .config import TrainConfig, TrainConfigError, build_policies
@@ -573,7 +574,12 @@ def train(
         skipdecode.data.DataError: the data cannot be read, or no example fits ``max_length``.
         skipdecode.loading.LoadError: ``model`` cannot be loaded.
     """
-    run = _Run(model, config)
-    run.prepare_data(data, val_data)
-    run.build_model()
-    return run.run(callback)
+    existing = first_existing(config.out_dir)
+    try:
+        run = _Run(model, config)
+        run.prepare_data(data, val_data)
+        run.build_model()
+        return run.run(callback)
+    except BaseException:  # a run refused or stopped before it wrote anything leaves no empty out_dir
+        remove_new_empty_dirs(config.out_dir, existing)
+        raise
