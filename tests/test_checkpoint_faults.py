@@ -209,3 +209,35 @@ def test_a_run_refused_before_writing_leaves_no_empty_out_dir(tmp_path):
     with pytest.raises(DataError):
         train(tiny_skipmodel(), str(tmp_path / "missing.jsonl"), cfg(kept / "run"))
     assert (kept / "run").is_dir() and (kept / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_cli_train_interrupted_says_how_to_resume_and_keeps_n_checkpoints(cli_inputs, tmp_path, monkeypatch, how):
+    """Ctrl-C or SIGTERM after step 3 ends ``skipdecode train`` with exit 130 and one line naming the
+    newest checkpoint and --resume; --keep-checkpoints 2 kept the two newest."""
+    import os
+    import signal
+
+    from skipdecode.training import loop
+
+    real_run = loop._Run.run
+
+    def run(self, callback=None):
+        def stop_at_3(info):
+            if info["step"] == 3:
+                if how == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                raise KeyboardInterrupt
+        return real_run(self, stop_at_3)
+
+    monkeypatch.setattr(loop._Run, "run", run)
+    model, data = cli_inputs
+    out = tmp_path / "run"
+    res, text = _cli(["train", "--model", str(model), "--data", str(data), "--speedup", "2", "--max-steps", "6",
+                      "--batch-size", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--no-progress",
+                      "--val-fraction", "0", "--out", str(out)])
+    assert res.exit_code == 130, res.output
+    assert "training interrupted; its newest checkpoint is" in text and "checkpoint-00000003" in text
+    assert "--resume" in text and "Traceback" not in res.output
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000002", "checkpoint-00000003"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the command

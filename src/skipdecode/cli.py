@@ -7,6 +7,8 @@ Subcommands: ``generate``, ``chat`` (cli_chat.py), ``bench`` (cli_bench.py), ``t
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import List, Optional
 
@@ -378,9 +380,10 @@ def train(
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm (0: off)."),
     max_length: int = typer.Option(256, "--max-length", help="Longest prompt + response in tokens (longer responses are cut)."),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of distinct prompts held out for validation loss."),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of distinct prompts held out for validation loss (0: no validation, the quickest for short trial runs)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Validation every N steps (0: start and end only)."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps for --resume (0: final model only)."),
+    keep_checkpoints: int = typer.Option(1, "--keep-checkpoints", help="Checkpoints kept in --out, newest first (older ones are deleted as new ones are written)."),
     distill: bool = typer.Option(False, "--distill", help="Self-distillation: train on the full-depth model's greedy answers (no labels needed)."),
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="Add this times KL to the full-depth teacher's logits."),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="KL teacher model (name, directory or .gguf; same tokenizer vocabulary); default: the starting model, frozen."),
@@ -410,7 +413,8 @@ def train(
     from .train import TrainConfig, TrainConfigError, train as run_train
 
     # TrainConfig field -> the option that sets it (for error messages)
-    renamed = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "base_model": "--model"}
+    renamed = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "base_model": "--model",
+               "save_total_limit": "--keep-checkpoints"}
 
     def option(field_name: str) -> str:
         return renamed.get(field_name, "--" + field_name.replace("_", "-"))
@@ -433,7 +437,8 @@ def train(
             gradient_checkpointing=grad_checkpointing, seed=seed, device=device, bf16=bf16, distill=distill,
             kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens,
             distill_answers_from=distill_answers_from, lora_r=lora_r,
-            lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every, resume=resume,
+            lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every,
+            save_total_limit=keep_checkpoints, resume=resume,
             progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
             entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr, on_policy=on_policy, init_adapter=init_adapter,
             position_half_life=position_half_life,
@@ -445,14 +450,21 @@ def train(
     except DataError as e:
         fail(f"--data {e}")
     sk = load_model(model, "cpu", "float32", chat, adapter=False)  # train from the stock weights
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None  # says how to resume, as Ctrl-C
     try:
         result = run_train(sk, data, config)
+    except KeyboardInterrupt:
+        _interrupted(out)
     except TrainConfigError as e:
         fail(f"{option(e.field)} {e.reason}")
     except DataError as e:
         fail(f"--data {e}")
     except ValueError as e:
         fail(str(e))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     err.print(
         f"[dim]{result.steps} steps | {result.tokens_seen} tokens | {result.tokens_per_second:.1f} tok/s "
         f"({result.target_tokens_per_second:.1f} response tok/s) | {result.wall_seconds:.0f} s | final loss "
@@ -465,6 +477,22 @@ def train(
     summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
     summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
     print(dumps(summary))
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM handler of ``train``: stop as Ctrl-C does (KeyboardInterrupt)."""
+    raise KeyboardInterrupt
+
+
+def _interrupted(out: Path) -> None:
+    """After ``train`` was interrupted (Ctrl-C, SIGTERM): say where the run can resume from, exit 130."""
+    from .train import latest_checkpoint
+
+    ckpt = latest_checkpoint(out)
+    hint = (f"its newest checkpoint is {ckpt}: run the same command with --resume to continue" if ckpt
+            else "no checkpoint was written yet (--checkpoint-every N makes a run resumable)")
+    err.print(f"training interrupted; {hint}", markup=False, highlight=False)
+    raise typer.Exit(130)
 
 
 from .cli_bench import bench  # noqa: E402  (the bench command lives in its own module)
