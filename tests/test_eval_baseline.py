@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -204,3 +205,23 @@ def test_cli_baseline_accepts_the_folder_spelled_otherwise_and_table_labels(save
     result, text = _run(["eval", "--model", ".", "--model", "../two", "--baseline", ".", *common])
     assert result.exit_code == 0, text
     assert json.loads((tmp_path / "o" / "eval.json").read_text())["meta"]["baseline"]["model"] == "one"
+
+
+def test_cli_model_label_equals_path_names_the_rows(saved_pair, tmp_path, monkeypatch):
+    """``--model LABEL=MODEL`` names a model's rows LABEL; --baseline takes the label, the
+    model as written or its folder spelled otherwise; a path holding '=' is still a path."""
+    one, two = saved_pair
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    common = ["--data", str(data), "--limit", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    for baseline in ("1x", str(one), str(one) + "/"):
+        result, text = _run(["eval", "--model", f"1x={one}", "--model", f"2x={two}", "--baseline", baseline, *common])
+        assert result.exit_code == 0, text
+        rep = json.loads((tmp_path / "o" / "eval.json").read_text())
+        assert list(dict.fromkeys(r["model"] for r in rep["rows"])) == ["1x", "2x"] and rep["meta"]["baseline"]["model"] == "1x"
+    odd = tmp_path / "a=b"
+    shutil.copytree(one, odd)
+    monkeypatch.chdir(tmp_path)
+    result, text = _run(["eval", "--model", "a=b", *common])
+    assert result.exit_code == 0, text
+    assert json.loads((tmp_path / "o" / "eval.json").read_text())["rows"][0]["model"] == "a=b"

@@ -78,7 +78,8 @@ def _root(
 #: ``eval --model``'s help: unlike generate/bench/serve, its default is the stock weights.
 TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory or .gguf file. Default: the embedded "
                     "SmolLM2-135M-Instruct's stock weights (training never starts from a shipped skip adapter).")
-EVAL_MODEL_HELP = ("HF model id, checkpoint directory or .gguf file; repeatable. Default: 'stock', the embedded "
+EVAL_MODEL_HELP = ("HF model id, checkpoint directory or .gguf file, or LABEL=MODEL to name its rows LABEL "
+                   "(e.g. 2x=runs/e2e-2x/final); repeatable. Default: 'stock', the embedded "
                    "SmolLM2-135M-Instruct WITHOUT its skip adapter (its stock weights; generate, bench and "
                    "serve merge the adapter by default). '--model default' evaluates the embedded model with its "
                    "2x skip adapter merged; '--model stock --model default' compares the two.")
@@ -257,13 +258,14 @@ def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]
         return None
     if len(given) >= 2:
         for spec, label in zip(given, labels):
-            if baseline == spec:
+            if baseline in (spec, _labelled(spec)[1]):
                 return label
         if baseline in labels:
             return baseline
         if Path(baseline).exists():
             for spec, label in zip(given, labels):
-                if Path(spec).exists() and os.path.samefile(spec, baseline):
+                path = _labelled(spec)[1]
+                if Path(path).exists() and os.path.samefile(path, baseline):
                     return label
     fail(f"--baseline must be one of at least two --model values {given} (or their labels {labels}), "
          f"got {baseline!r}")
@@ -336,6 +338,16 @@ def eval_command(
     err.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False, markup=False)
 
 
+def _labelled(spec: str) -> tuple[Optional[str], str]:
+    """``(label, model)`` of an ``eval --model`` value: ``LABEL=MODEL`` names its rows LABEL
+    (``2x=runs/e2e-2x/final``), anything else is a model alone (label None). A value that is
+    an existing path, or whose part before ``=`` holds a ``/``, is a model (paths may hold ``=``)."""
+    label, sep, model = spec.partition("=")
+    if not sep or Path(spec).exists() or "/" in label or not label.strip() or not model:
+        return None, spec
+    return label.strip(), model
+
+
 def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) -> dict:
     """``eval``'s table label -> loader of each ``--model`` (a repeated label gets ``#2``, ``#3``, ...)."""
     from .loading import DEFAULT_MODEL
@@ -347,8 +359,10 @@ def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) ->
         return lambda: load_model(target, device, dtype, chat, quantize, compile, adapter=use_adapter)
 
     entries = {}
-    for spec in models or ["stock"]:
-        label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
+    for given in models or ["stock"]:
+        label, spec = _labelled(given)
+        if label is None:
+            label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
         base, k = label, 2
         while label in entries:
             label, k = f"{base}#{k}", k + 1
