@@ -174,6 +174,11 @@ def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkey
      f"error: --calm-min-layers must be <= the model's {NUM_LAYERS} layers, got 99", True),
     (["--speedup", "100"], "error: --speedup must be <= 2.00 for num_layers=4", True),
     (["--policy", "100"], "error: --policy must be <= 2.00 for num_layers=4", True),
+    (["--policy", '{"type": "linear_decay", "num_layers": 4, "max_layers": 9, "min_layers": 2}'],
+     "error: --policy: max_layers must be in [1, 4], got 9", True),
+    (["--policy", '{"type": "linear_decay", "num_layers": 30, "max_layers": 9, "min_layers": 2}'],
+     "error: --policy: policy.num_layers (30) must equal the model's num_layers (4)", True),
+    (["--policy", "warp"], "error: --policy: unknown policy 'warp'", True),
 ])
 def test_eval_option_errors_name_the_option(saved, tmp_path, monkeypatch, extra, want, loads):
     """These named the library's field (``speedup must``, ``calm_min_layers must``) or none at all

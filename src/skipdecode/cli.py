@@ -458,7 +458,7 @@ def train(
             position_half_life=position_half_life,
         )
     except TrainConfigError as e:
-        fail(f"{option(e.field)} {e.reason}")
+        fail(f"{option(e.field)} {_with_options(e.reason, option)}")
     try:
         check_data_file(data)  # a folder fails here, before the model loads
     except DataError as e:
@@ -471,7 +471,7 @@ def train(
     except KeyboardInterrupt:
         _interrupted(out)
     except TrainConfigError as e:
-        fail(f"{option(e.field)} {e.reason}")
+        fail(f"{option(e.field)} {_with_options(e.reason, option)}")
     except DataError as e:
         fail(f"--data {e}")
     except ValueError as e:
@@ -491,6 +491,19 @@ def train(
     summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
     summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
     print(dumps(summary))
+
+
+def _with_options(reason: str, option) -> str:
+    """A training error's ``reason`` with the TrainConfig fields it names (``max_layers``,
+    ``speedup``) written as the options that set them (``option(field)``: ``--max-layers``)."""
+    import dataclasses
+    import re
+
+    from .train import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig) if "_" in f.name} | {"speedup", "speedups"}
+    return re.sub(r"(?<![\w-])[a-z]+(?:_[a-z0-9]+)*(?![\w-])",
+                  lambda m: option(m.group()) if m.group() in fields else m.group(), reason)
 
 
 def _interrupt(signum, frame) -> None:

@@ -105,4 +105,12 @@ def eval_error_message(error: Exception, speedups, policies) -> str:
     policy, ``--policy 9``) or ``--speedup/--policy`` when both were given; other messages
     unchanged (:func:`~skipdecode.cli_common.as_option_error`)."""
     given = [option for option, values in (("--speedup", speedups), ("--policy", policies)) if values]
+    field = str(error).partition(" ")[0].rstrip(":")
+    if policies and (field in POLICY_FIELDS or str(error).startswith("unknown policy")):  # from a --policy value
+        return f"--policy: {error}"
     return as_option_error(error, {"calm_min_layers": "--calm-min-layers", "speedup": "/".join(given) or "--speedup"})
+
+
+#: the fields of a policy dict (``policy_from_dict``), named first in its errors
+POLICY_FIELDS = ("type", "num_layers", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps",
+                 "policy", "policy.num_layers")
