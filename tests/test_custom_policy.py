@@ -43,7 +43,9 @@ def sk(tokenizer):
 
 
 def test_a_sound_policy_of_ones_own_runs_as_the_builtin_with_the_same_plans(sk):
-    own = OwnPolicy(lambda t: list(REFERENCE.active_layers(t)))  # a list, not a tuple: accepted
+    import numpy as np
+
+    own = OwnPolicy(lambda t: np.array(REFERENCE.active_layers(t)))  # an array of numpy integers: accepted
     for kw in ({}, {"max_batch_size": 2}):
         want = sk.generate(["The Eagle", "a b c"], policy=REFERENCE, max_new_tokens=8, **kw)
         got = sk.generate(["The Eagle", "a b c"], policy=own, max_new_tokens=8, **kw)
@@ -61,6 +63,7 @@ BROKEN = {
     "negative": lambda t: (-1, L - 1),
     "repeated": lambda t: (0, 0, L - 1),
     "not integers": lambda t: (0.0, float(L - 1)),
+    "booleans": lambda t: (False, True) if L == 2 else (True, L - 1),
     "not a sequence": lambda t: 3,
 }
 

@@ -450,3 +450,13 @@ def test_a_missing_relative_data_file_says_where_it_was_looked_for(monkeypatch, 
         load_examples("e2e/none.csv")
     with pytest.raises(DataError, match=r"/abs/none\.csv: file does not exist$"):
         load_examples("/abs/none.csv")
+
+
+def test_a_single_file_reader_reads_the_path_as_given(monkeypatch, tmp_path):
+    """read_e2e_pairs never looks in the shared data folder, so its message does not mention it."""
+    from skipdecode.data import DataError, read_e2e_pairs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SKIPDECODE_DATA", str(tmp_path / "shared"))
+    with pytest.raises(DataError, match=r"e2e/none\.csv: file does not exist$"):
+        read_e2e_pairs("e2e/none.csv")

@@ -116,8 +116,9 @@ def cli_lines(page: Path) -> list[str]:
 def cli_calls(line: str) -> list[tuple[str | None, list[str]]]:
     """``(subcommand or None, --options)`` of each ``skipdecode`` call in a shell ``line``."""
     calls = []
-    for part in re.split(r"&&|\|\||[;&|]", line.split(" #")[0]):
-        words = part.split()
+    line = line.split(" #")[0].replace("\\|", " ")  # an escaped pipe separates alternatives in a table cell
+    for part in re.split(r"&&|\|\||[;&|]", line):
+        words = part.replace("[", " ").replace("]", " ").split()  # optional parts: [--option VALUE]
         if "skipdecode" not in words:
             continue
         args = words[words.index("skipdecode") + 1:]

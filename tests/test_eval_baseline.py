@@ -225,3 +225,10 @@ def test_cli_model_label_equals_path_names_the_rows(saved_pair, tmp_path, monkey
     result, text = _run(["eval", "--model", "a=b", *common])
     assert result.exit_code == 0, text
     assert json.loads((tmp_path / "o" / "eval.json").read_text())["rows"][0]["model"] == "a=b"
+    monkeypatch.chdir(one.parent)  # a label written as LABEL= wins over a model spelled like it
+    result, text = _run(["eval", "--model", "one=two", "--model", "one", "--baseline", "one", *common])
+    assert result.exit_code == 0, text
+    rep = json.loads((tmp_path / "o" / "eval.json").read_text())
+    assert rep["meta"]["baseline"]["model"] == "one" and rep["meta"]["models"]["one"]["source"].endswith("two")
+    result, text = _run(["eval", "--model", "=two", *common])
+    assert result.exit_code == 2 and "needs a label" in text and "Traceback" not in result.output

@@ -359,8 +359,8 @@ def test_nan_logits_never_reach_a_token(params):
         Sampler(params)(logits)
 
 
-@pytest.mark.parametrize("prompts", [None, 123, {"role": "user", "content": "hi"}, b"hi"],
-                         ids=["None", "int", "dict", "bytes"])
+@pytest.mark.parametrize("prompts", [None, 123, {"role": "user", "content": "hi"}, b"hi", {"a", "b"}],
+                         ids=["None", "int", "dict", "bytes", "set"])
 def test_prompts_that_are_neither_a_string_nor_a_list_name_the_argument(sk, prompts):
     calls = {"generate": lambda: sk.generate(prompts), "in flight": lambda: sk.generate(prompts, max_batch_size=2),
              "stream": lambda: next(iter(sk.stream_generate(prompts)))}

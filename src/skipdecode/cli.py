@@ -257,6 +257,9 @@ def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]
     if baseline is None:
         return None
     if len(given) >= 2:
+        for spec, label in zip(given, labels):  # a LABEL= the user wrote wins over a model spelled alike
+            if _labelled(spec)[0] == baseline:
+                return label
         for spec, label in zip(given, labels):
             if baseline in (spec, _labelled(spec)[1]):
                 return label
@@ -343,9 +346,11 @@ def _labelled(spec: str) -> tuple[Optional[str], str]:
     (``2x=runs/e2e-2x/final``), anything else is a model alone (label None). A value that is
     an existing path, or whose part before ``=`` holds a ``/``, is a model (paths may hold ``=``)."""
     label, sep, model = spec.partition("=")
-    if not sep or Path(spec).exists() or "/" in label or not label.strip() or not model:
+    if not sep or Path(spec).exists() or "/" in label or not model.strip():
         return None, spec
-    return label.strip(), model
+    if not label.strip():
+        fail(f"--model {spec!r}: LABEL=MODEL needs a label before '=' (or give the model alone)")
+    return label.strip(), model.strip()
 
 
 def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) -> dict:
@@ -468,8 +473,8 @@ def train(
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None  # says how to resume, as Ctrl-C
     try:
         result = run_train(sk, data, config)
-    except KeyboardInterrupt:
-        _interrupted(out)
+    except KeyboardInterrupt as stop:
+        _interrupted(out, checkpoint_every, 143 if isinstance(stop, _Terminated) else 130)
     except TrainConfigError as e:
         fail(f"{option(e.field)} {_with_options(e.reason, option)}")
     except DataError as e:
@@ -494,32 +499,42 @@ def train(
 
 
 def _with_options(reason: str, option) -> str:
-    """A training error's ``reason`` with the TrainConfig fields it names (``max_layers``,
-    ``speedup``) written as the options that set them (``option(field)``: ``--max-layers``)."""
-    import dataclasses
+    """A training error's ``reason`` with the schedule field it compares against written as its
+    option (``option(field)``): ``must be <= max_layers (10)`` as ``must be <= --max-layers (10)``,
+    ``cannot be combined with speedup`` as ``... with --speedup``, and ``resume=True (--resume on
+    the command line)`` as ``--resume``. Only these phrasings are rewritten, so paths and quoted
+    values in other messages stay as they are."""
     import re
 
-    from .train import TrainConfig
+    fields = ("speedups", "speedup", "max_layers", "min_layers")
+    reason = reason.replace("resume=True (--resume on the command line)", "--resume")
+    return re.sub(r"\b(must be <=|cannot be combined with) (" + "|".join(fields) + r")\b(?![\w/=])",
+                  lambda m: f"{m.group(1)} {option(m.group(2))}", reason)
 
-    fields = {f.name for f in dataclasses.fields(TrainConfig) if "_" in f.name} | {"speedup", "speedups"}
-    return re.sub(r"(?<![\w-])[a-z]+(?:_[a-z0-9]+)*(?![\w-])",
-                  lambda m: option(m.group()) if m.group() in fields else m.group(), reason)
+
+class _Terminated(KeyboardInterrupt):
+    """``train`` got SIGTERM: it stops as on Ctrl-C (exit status 143 instead of 130)."""
 
 
 def _interrupt(signum, frame) -> None:
-    """SIGTERM handler of ``train``: stop as Ctrl-C does (KeyboardInterrupt)."""
-    raise KeyboardInterrupt
+    """SIGTERM handler of ``train``."""
+    raise _Terminated
 
 
-def _interrupted(out: Path) -> None:
-    """After ``train`` was interrupted (Ctrl-C, SIGTERM): say where the run can resume from, exit 130."""
+def _interrupted(out: Path, checkpoint_every: int, status: int) -> None:
+    """After ``train`` was interrupted (Ctrl-C: ``status`` 130, SIGTERM: 143, as shells report a
+    process ended by the signal): say where the run can resume from and exit with ``status``."""
     from .train import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
-    hint = (f"its newest checkpoint is {ckpt}: run the same command with --resume to continue" if ckpt
-            else "no checkpoint was written yet (--checkpoint-every N makes a run resumable)")
+    if ckpt is not None:
+        hint = f"its newest checkpoint is {ckpt}: run the same command with --resume to continue"
+    elif checkpoint_every:
+        hint = f"no checkpoint was written yet (the first comes after step {checkpoint_every})"
+    else:
+        hint = "no checkpoint was written (--checkpoint-every N makes a run resumable)"
     err.print(f"training interrupted; {hint}", markup=False, highlight=False)
-    raise typer.Exit(130)
+    raise typer.Exit(status)
 
 
 from .cli_bench import bench  # noqa: E402  (the bench command lives in its own module)

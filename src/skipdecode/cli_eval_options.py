@@ -6,9 +6,12 @@ one line, exit status 2."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.markup import escape
 
 from .cli_common import as_option_error, check_cohort_option, check_policy_options, err, fail, stop_from_options
+from .policy import LinearDecayPolicy
 
 
 def check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics) -> None:
@@ -98,6 +101,10 @@ def _data_error_message(error, given) -> str:
     return str(error)
 
 
+#: the fields of a --policy JSON dict (:func:`~skipdecode.policy.policy_from_dict`), which its errors name first
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(LinearDecayPolicy)) | {"type", "policy.num_layers"}
+
+
 def eval_error_message(error: Exception, speedups, policies) -> str:
     """The message of a library ``error`` raised by an evaluation, its leading field written as the
     option that set it: ``calm_min_layers`` (above the model's layers) as ``--calm-min-layers``,
@@ -105,12 +112,10 @@ def eval_error_message(error: Exception, speedups, policies) -> str:
     policy, ``--policy 9``) or ``--speedup/--policy`` when both were given; other messages
     unchanged (:func:`~skipdecode.cli_common.as_option_error`)."""
     given = [option for option, values in (("--speedup", speedups), ("--policy", policies)) if values]
-    field = str(error).partition(" ")[0].rstrip(":")
-    if policies and (field in POLICY_FIELDS or str(error).startswith("unknown policy")):  # from a --policy value
-        return f"--policy: {error}"
+    message = str(error)
+    field = message.partition(" ")[0].rstrip(":")
+    if policies and message.startswith("policy "):  # "policy type must be ...", "policy '{' is not valid JSON"
+        return "--" + message
+    if policies and (field in _POLICY_FIELDS or message.startswith("unknown policy")):  # from a --policy value
+        return f"--policy: {message}"
     return as_option_error(error, {"calm_min_layers": "--calm-min-layers", "speedup": "/".join(given) or "--speedup"})
-
-
-#: the fields of a policy dict (``policy_from_dict``), named first in its errors
-POLICY_FIELDS = ("type", "num_layers", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps",
-                 "policy", "policy.num_layers")

@@ -14,6 +14,7 @@ every policy here (tested with hypothesis):
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
@@ -287,11 +288,15 @@ def plan_layers(policy: SkipPolicy, step: int) -> tuple[int, ...]:
     L = policy.num_layers
     where = f"policy.active_layers({step})"
     try:
-        layers = tuple(active)
+        items = tuple(active)
     except TypeError:
-        raise ValueError(f"{where} must return a tuple of layer indices, got {active!r}") from None
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-        raise ValueError(f"{where} must hold integer layer indices, got {layers!r}")
+        raise ValueError(f"{where} must return a sequence of layer indices, got {active!r}") from None
+    try:  # ints and integer-like values (numpy integers: operator.index); never bools
+        if any(isinstance(i, bool) for i in items):
+            raise TypeError
+        layers = tuple(operator.index(i) for i in items)
+    except TypeError:
+        raise ValueError(f"{where} must hold integer layer indices, got {items!r}") from None
     if not layers or layers[-1] != L - 1 or layers[0] < 0 or any(a >= b for a, b in zip(layers, layers[1:])):
         raise ValueError(
             f"{where} must be ascending layer indices in [0, {L}) without repeats, ending with the "

@@ -33,12 +33,13 @@ def prompt_list(prompts: Any) -> list:
     iterable) holds one prompt per item, each checked later by :func:`encode_prompt`.
 
     Raises:
-        ValueError: ``prompts`` is neither (None, a number, a dict, bytes); the message names
-            ``prompts`` and its type.
+        ValueError: ``prompts`` is neither (None, a number, a dict, bytes, a set: it has no
+            order); the message names ``prompts`` and its type.
     """
     if isinstance(prompts, str):
         return [prompts]
-    if prompts is None or isinstance(prompts, (bytes, Mapping)) or not hasattr(prompts, "__iter__"):
+    if (prompts is None or isinstance(prompts, (bytes, bytearray, Mapping, set, frozenset))
+            or not hasattr(prompts, "__iter__")):  # a set has no order: its rows would come back shuffled
         raise ValueError(
             "prompts must be a string or a list of prompts (strings, chat conversations or token-id lists), "
             f"got {type(prompts).__name__} {prompts!r}"[:300]

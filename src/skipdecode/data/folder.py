@@ -78,9 +78,11 @@ def shared_data_path(given: str | os.PathLike | None, relative: str | os.PathLik
 
 
 def missing_file_message(path: str | os.PathLike) -> str:
-    """Why a data file is missing, in words: for a relative path, also where the readers looked
-    in the shared data folder (they read ``e2e/devset.csv`` from there when the current folder
-    has no such file), or that no shared data folder was found."""
+    """Why a data file that :func:`~skipdecode.data.load_examples` / ``load_eval_items`` could not
+    find is missing, in words: for a relative path, also that they looked in the shared data
+    folder (they read ``e2e/devset.csv`` from there when the current folder has no such file), or
+    that no shared data folder was found. (The single-file readers, such as ``read_e2e_pairs``,
+    read the path as given and say "file does not exist".)"""
     if Path(path).expanduser().is_absolute():
         return "file does not exist"
     root = default_data_dir()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from .records import DataError, ReadResult
-from .folder import missing_file_message
 from .templates import _template, format_prompt, template_fields
 
 #: one logger for the whole data package (``skipdecode.data``), as before the split
@@ -56,7 +55,7 @@ class _Rows:
 def _check_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
-        raise DataError(missing_file_message(p), path=p)
+        raise DataError("file does not exist", path=p)
     if not p.is_file():
         raise DataError("not a regular file", path=p)
     return p

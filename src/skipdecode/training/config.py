@@ -279,8 +279,9 @@ def _check_schedule(c: "TrainConfig") -> None:
     _check_int(c, "max_layers", 1, optional=True)
     _check_int(c, "min_layers", 1, optional=True)
     explicit = c.max_layers is not None or c.min_layers is not None
+    layers = "max_layers" if c.max_layers is not None else "min_layers"  # the one given, for the message
     given = [n for n, on in (("speedup", c.speedup is not None), ("speedups", c.speedups is not None),
-                             ("max_layers", explicit)) if on]
+                             (layers, explicit)) if on]
     if not given:
         _fail("speedup", "is required: give speedup, speedups, or max_layers/min_layers (speedup=1 for full depth)")
     if len(given) > 1:
