@@ -24,27 +24,7 @@ import skipdecode
 from conftest import make_model
 from skipdecode import LinearDecayPolicy, SkipModel
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def split_markdown(text: str) -> tuple[list[tuple[str, str]], str]:
-    """``([(language, code), ...], prose)``: each fenced block of a Markdown ``text`` in order
-    (fences open and close in turn, so a closing fence never starts a block), and the lines
-    outside them."""
-    blocks, lang, code, prose = [], None, [], []
-    for line in text.splitlines():
-        if line.startswith("```"):
-            if lang is None:
-                lang, code = line[3:].strip(), []
-            else:
-                blocks.append((lang, "\n".join(code) + "\n"))
-                lang = None
-        elif lang is not None:
-            code.append(line)
-        else:
-            prose.append(line)
-    return blocks, "\n".join(prose)
+from test_doc_links import PAGES, ROOT, split_markdown  # the same pages, read the same way
 
 
 def examples(page: Path) -> list[str]:

@@ -13,6 +13,25 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def split_markdown(text: str) -> tuple[list[tuple[str, str]], str]:
+    """``([(language, code), ...], prose)``: each fenced block of a Markdown ``text`` in order
+    (fences open and close in turn, so a closing fence never starts a block), and the lines
+    outside them."""
+    blocks, lang, code, prose = [], None, [], []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, code = line[3:].strip(), []
+            else:
+                blocks.append((lang, "\n".join(code) + "\n"))
+                lang = None
+        elif lang is not None:
+            code.append(line)
+        else:
+            prose.append(line)
+    return blocks, "\n".join(prose)
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[`*]", "", heading.strip().lower())
@@ -24,11 +43,8 @@ def anchors(page: Path) -> set[str]:
     """The heading anchors of ``page`` (outside fenced code), with GitHub's -1, -2 for repeats."""
     seen: dict[str, int] = {}
     out: set[str] = set()
-    fenced = False
-    for line in page.read_text().splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        if fenced or not line.startswith("#"):
+    for line in split_markdown(page.read_text())[1].splitlines():
+        if not line.startswith("#"):
             continue
         base = slug(line.lstrip("#"))
         n = seen.get(base, 0)
@@ -38,7 +54,7 @@ def anchors(page: Path) -> set[str]:
 
 
 def links(page: Path) -> list[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    text = split_markdown(page.read_text())[1]  # code blocks hold no links
     return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
 
 
