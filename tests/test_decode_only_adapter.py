@@ -136,3 +136,25 @@ def test_decode_only_model_refuses_to_save_and_info_reports_it(base_dir, adapter
     assert not (tmp_path / "out").exists()
     assert sa.adapter_summary(decode_only_dir, shipped=False)["decode_only"] is True
     assert sa.adapter_summary(adapter_dir, shipped=False)["decode_only"] is False
+
+
+def test_calm_runs_the_base_model(base_dir, decode_only_dir):  # noqa: F811
+    """CALM exits early, it does not skip lower layers: a decode-only skip adapter stays off in its
+    decode steps too, so threshold 1 ("never exit") is the full-depth answer, and any threshold
+    gives the stock model's CALM tokens and exits."""
+    from skipdecode import FullPolicy
+    from skipdecode.calm import calm_generate
+
+    stock = load(str(base_dir), adapter=False)
+    only = load(str(base_dir), adapter=str(decode_only_dir))
+    for prompt in PROMPTS:
+        full = only.generate(prompt, policy=FullPolicy(NUM_LAYERS), max_new_tokens=N_NEW, chat=False)
+        never = calm_generate(only, prompt, threshold=1.0, max_new_tokens=N_NEW, eos_token_ids=[], chat=False)
+        assert list(never.token_ids[0]) == list(full.token_ids[0])
+        assert never.exit_layers == [NUM_LAYERS] * (N_NEW - 1)
+        # the adapter's own decode steps would answer otherwise (the test has teeth)
+        assert list(only.generate(prompt, policy=ADAPTER_POLICY, max_new_tokens=N_NEW, chat=False).token_ids[0]) \
+            != list(full.token_ids[0])
+        early = calm_generate(only, prompt, threshold=0.0, min_layers=3, max_new_tokens=N_NEW, eos_token_ids=[], chat=False)
+        ref = calm_generate(stock, prompt, threshold=0.0, min_layers=3, max_new_tokens=N_NEW, eos_token_ids=[], chat=False)
+        assert list(early.token_ids[0]) == list(ref.token_ids[0]) and early.exit_layers == ref.exit_layers == [3] * (N_NEW - 1)

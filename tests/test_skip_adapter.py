@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pathlib
+import re
 
 import pytest
 import torch
@@ -227,6 +229,18 @@ def test_embedded_model_ships_its_2x_adapter():
     assert len(never_run) >= 1
     for i in (never_run[0], never_run[-1]):
         assert torch.equal(adapted.model.model.layers[i].mlp.down_proj.weight, stock.model.model.layers[i].mlp.down_proj.weight)
+
+
+def test_docs_state_the_shipped_full_depth_steps():
+    """The README and design.md give the shipped 2x schedule's full-depth decode steps (k) as the
+    package data records them (design.md said k = 2 long after the adapter moved to 14)."""
+    meta = json.loads((sa.shipped_adapter_for("smollm2-135m-instruct") / "skipdecode.json").read_text())
+    k = str(meta["policy"]["full_depth_steps"])
+    root = pathlib.Path(__file__).resolve().parents[1]
+    design = (root / "docs" / "design.md").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    assert re.findall(r"`--speedup 2` uses k = (\d+)", design) == [k]
+    assert re.findall(r"under its 2x schedule \((\d+) decode steps at all 30 layers", readme) == [k]
 
 
 def test_cli_info_summary_is_short_and_names_adapter_and_policy(base_dir, shipped_for_tiny):

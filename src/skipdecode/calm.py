@@ -147,6 +147,10 @@ def calm_generate_ids(
 ) -> dict[str, Any]:
     """Greedy CALM-style early-exit decoding of one prompt (the token-level loop).
 
+    A decode-only skip adapter (the embedded model's; :func:`skipdecode.lowrank.base_prefill`) is
+    off for the whole generation: it was trained to skip lower layers, so CALM runs the base model,
+    and threshold 1 gives the full-depth answer.
+
     Args:
         adapter: architecture adapter of the model (``skipdecode.adapters``).
         input_ids: (1, P) prompt ids.
@@ -167,14 +171,24 @@ def calm_generate_ids(
             ``min_layers`` > L, or a prompt plus ``max_new_tokens`` beyond the model's context.
     """
     P = _check_calm_inputs(adapter, input_ids, attention_mask, config, max_new_tokens)
-    L = adapter.num_layers
-    device = input_ids.device
-    eos = set(int(i) for i in eos_token_ids)
     if cache is None:
-        cache = SkipCache(L, capacity=P + max_new_tokens)
+        cache = SkipCache(adapter.num_layers, capacity=P + max_new_tokens)
     elif any(cache.lengths):
         raise ValueError("cache must be empty")
-    mask = attention_mask.long()
+    # A decode-only skip adapter (lowrank.base_prefill) was trained to skip lower layers, not to
+    # exit early: CALM runs the base model throughout, as generate_step's full-depth steps do, so
+    # that threshold 1 is the full-depth baseline.
+    with base_prefill(adapter.model):
+        return _calm_loop(adapter, input_ids, attention_mask.long(), config, cache, max_new_tokens,
+                          set(int(i) for i in eos_token_ids), stop_fn)
+
+
+def _calm_loop(adapter, input_ids: torch.Tensor, mask: torch.Tensor, config: CalmConfig, cache: SkipCache,
+               max_new_tokens: int, eos: set[int], stop_fn) -> dict[str, Any]:
+    """:func:`calm_generate_ids`' token loop over checked inputs: ``input_ids`` and ``mask`` (1, P),
+    an empty ``cache``; returns its dict."""
+    L = adapter.num_layers
+    device = input_ids.device
     ids: list[int] = []
     exit_layers: list[int] = []
     compute_layers: list[int] = []
@@ -186,8 +200,7 @@ def calm_generate_ids(
         _sync(device)
         start = time.perf_counter()
         if step == 0:  # full-depth prefill, same call as generate_step (PITFALLS 6, 7)
-            with base_prefill(adapter.model):  # a decode-only skip adapter is off in the prefill
-                logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
+            logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
             logits, exit_at, heads = _calm_step(adapter, token, mask, cache, config)
