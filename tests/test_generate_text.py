@@ -338,6 +338,32 @@ def test_on_chunk_sees_every_chunk(sk):
     assert ["".join(c.deltas[r] for c in seen) for r in range(2)] == out.texts
 
 
+def test_inflight_chunks_name_the_layers_run(sk):
+    """In flight, a chunk's active_layers are the layers its engine step ran: those of the static
+    stream for one prompt (the plan's top layers, not range(count)), the union of other steps'
+    and policies' plans for other rows, every layer at a step that prefilled a row."""
+    kw = dict(max_new_tokens=6, eos_token_ids=[])
+    static, flight = [], []
+    generate(sk.adapter, sk.tokenizer, PROMPTS[:1], policy=SKIP, on_chunk=static.append, **kw)
+    generate(sk.adapter, sk.tokenizer, PROMPTS[:1], policy=SKIP, on_chunk=flight.append, max_batch_size=1, **kw)
+    assert [c.active_layers for c in flight] == [c.active_layers for c in static]
+    assert flight[-1].active_layers == SKIP.active_layers(5) != tuple(range(len(SKIP.active_layers(5))))
+    # rows at other steps or with other policies (the server's case): the union of their plans
+    from types import SimpleNamespace
+
+    from skipdecode.inflight import _layers_run
+
+    def event(step, policy):
+        return SimpleNamespace(step=step, row=SimpleNamespace(request=SimpleNamespace(policy=policy)))
+
+    other = LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=3, min_layers=2, warmup_layers=0, horizon=2)
+    union = tuple(sorted(set(other.active_layers(1)) | set(SKIP.active_layers(5))))
+    assert union not in (other.active_layers(1), SKIP.active_layers(5))
+    assert _layers_run([event(1, other), event(5, SKIP)], NUM_LAYERS) == union
+    assert _layers_run([event(3, None)], NUM_LAYERS) == tuple(range(NUM_LAYERS))  # no policy: full depth
+    assert _layers_run([event(4, SKIP), event(0, SKIP)], NUM_LAYERS) == tuple(range(NUM_LAYERS))  # a prefill
+
+
 def test_batched_text_equals_single(sk):
     batched = sk.generate(PROMPTS, max_new_tokens=10, policy=SKIP)
     for i, prompt in enumerate(PROMPTS):

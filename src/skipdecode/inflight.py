@@ -11,7 +11,7 @@ from .adapters import Adapter
 from .engine import Engine, Request, Row, mean_batch_rows
 from .generate import GenerationResult, RowText, StreamChunk, _eos_ids, encode_prompts
 from .limits import check_stop
-from .policy import SkipPolicy, check_policy
+from .policy import FullPolicy, SkipPolicy, check_policy, plan_layers
 from .sampling import SamplingParams, row_sampling
 
 __all__ = ["generate_inflight"]
@@ -51,7 +51,8 @@ def generate_inflight(
     ``decode_steps`` counts those row-steps (so ``theoretical_speedup`` = L x row-steps / layers
     run, and ``step_seconds`` is decode time per generated token). ``on_chunk`` gets one
     :class:`StreamChunk` per engine step (``step`` the engine step, ``tokens`` pad for rows without
-    a token, ``active_layers`` the largest plan run in it).
+    a token, ``active_layers`` the layers run in it: the union of its rows' plans, every layer when
+    a row was prefilled).
 
     Raises:
         ValueError: as :func:`encode_prompts`; a prompt plus ``max_new_tokens`` beyond the context
@@ -107,9 +108,8 @@ def generate_inflight(
                 kept[i].append(ev.logprobs)
                 step_logprobs[i] = ev.logprobs
         if on_chunk is not None and events:
-            widest = max(ev.num_layers_run for ev in events)
-            on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas, tuple(range(widest)),
-                                 list(finished), step_logprobs))
+            on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas,
+                                 _layers_run(events, adapter.num_layers), list(finished), step_logprobs))
     return GenerationResult(
         texts=[t.text for t in texts],
         token_ids=[t.ids for t in texts],
@@ -127,3 +127,15 @@ def generate_inflight(
         mean_batch_rows=mean_batch_rows(done_rows),
         logprobs=kept,
     )
+
+
+def _layers_run(events: Sequence, num_layers: int) -> tuple[int, ...]:
+    """The layers (sorted indices) one engine step ran for its :class:`~skipdecode.engine.TokenEvent`
+    ``events``: the union of the rows' plans for the tokens they got (a token from a prefill: all
+    ``num_layers``), as :class:`StreamChunk` ``active_layers`` gives them in a static batch."""
+    ran: set[int] = set()
+    for ev in events:
+        if ev.step == 0:
+            return tuple(range(num_layers))
+        ran.update(plan_layers(ev.row.request.policy or FullPolicy(num_layers), ev.step))
+    return tuple(sorted(ran))
