@@ -20,7 +20,8 @@ def check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics
     Raises:
         typer.Exit: (2, via :func:`~skipdecode.cli_common.fail`) a ``--speedup`` that is not a
             finite number >= 1, a ``--horizon`` below 1 (with or without ``--speedup``), a
-            ``--calm-threshold`` outside [0, 1] or ``--calm-min-layers`` below 1, or a
+            ``--calm-threshold`` outside [0, 1] or ``--calm-min-layers`` below 1 (or given
+            without ``--calm-threshold``), or a
             ``--metric`` that is not one of :data:`skipdecode.metrics.METRICS`.
     """
     from .calm import CalmConfig
@@ -29,6 +30,8 @@ def check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics
     for speedup in speedups:
         check_policy_options(speedup, None, None, None)
     check_policy_options(None, None, None, horizon)
+    if calm_min_layers != 1 and not calm_thresholds:  # it would be ignored: no CALM row runs
+        fail(f"--calm-min-layers ({calm_min_layers}) needs --calm-threshold: it sets the CALM rows' fewest layers")
     for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
         try:
             CalmConfig(threshold, calm_min_layers)
