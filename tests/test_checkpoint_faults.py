@@ -14,7 +14,7 @@ import pytest
 
 from test_train import Killed, cfg, examples, tiny_skipmodel
 
-from skipdecode.train import TrainConfigError, latest_checkpoint, train
+from skipdecode.train import TrainConfig, TrainConfigError, latest_checkpoint, train
 from skipdecode.training.checkpoint import CheckpointError
 
 SETTINGS = dict(max_steps=3, checkpoint_every=2, speedup=2.0)
@@ -242,3 +242,28 @@ def test_cli_train_interrupted_says_how_to_resume_and_keeps_n_checkpoints(cli_in
     assert "--resume" in text and "Traceback" not in res.output
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-00000002", "checkpoint-00000003"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone after the command
+
+
+def test_resume_compares_epochs_only_when_they_plan_the_run(tmp_path):
+    """``epochs`` is ignored with ``max_steps`` (its help says so), so a resume with another
+    ``epochs`` and the same ``max_steps`` goes on; without ``max_steps`` it is refused."""
+    from skipdecode.training.checkpoint import find_resume_checkpoint
+
+    def run_with(name, **kw):
+        out = tmp_path / name
+        state = out / "checkpoint-00000005" / "train_state"
+        state.mkdir(parents=True)
+        saved = TrainConfig(out_dir=str(out), speedup=2.0, **kw).to_dict()
+        (state / "state.json").write_text(json.dumps({"step": 5, "config": saved, "data_hash": "x", "num_processes": 1}))
+        return out
+
+    out = run_with("steps", max_steps=10, epochs=1.0)
+    ckpt, _ = find_resume_checkpoint(out, TrainConfig(out_dir=str(out), speedup=2.0, max_steps=10, epochs=3.0, resume=True), 1)
+    assert ckpt.name == "checkpoint-00000005"
+    with pytest.raises(TrainConfigError) as info:
+        find_resume_checkpoint(out, TrainConfig(out_dir=str(out), speedup=2.0, max_steps=12, resume=True), 1)
+    assert info.value.field == "max_steps"
+    out = run_with("epochs", epochs=1.0)
+    with pytest.raises(TrainConfigError) as info:
+        find_resume_checkpoint(out, TrainConfig(out_dir=str(out), speedup=2.0, epochs=3.0, resume=True), 1)
+    assert info.value.field == "epochs"

@@ -268,6 +268,8 @@ def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int,
     now = config.to_dict()
     defaults = TrainConfig(out_dir=".", speedup=1.0).to_dict()  # fields older checkpoints lack
     for name in RESUME_FIELDS:
+        if name == "epochs" and now["max_steps"] is not None:
+            continue  # epochs plans nothing when max_steps is set (a differing max_steps is refused)
         old, new = saved["config"].get(name, defaults[name]), now[name]
         if old != new:
             raise TrainConfigError(name, f"differs from the checkpoint's ({old!r} in {ckpt}, {new!r} now): "
