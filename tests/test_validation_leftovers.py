@@ -162,6 +162,8 @@ def test_cli_eval_stop_empty_alone_means_none_and_otherwise_is_refused(saved, tm
     (["--calm-threshold", "nan"], "--calm-threshold must be a number in [0, 1]"),
     (["--calm-threshold", "0.5", "--calm-min-layers", "0"], "--calm-min-layers must be an integer >= 1"),
     (["--calm-min-layers", "3"], "--calm-min-layers (3) needs --calm-threshold"),  # silently ignored before
+    (["--horizon", "2"], "--horizon (2) needs --speedup"),  # so was this: the checkpoint row keeps its own
+    (["--horizon", "2", "--policy", "checkpoint", "--policy", "full"], "--horizon (2) needs --speedup"),
 ])
 def test_cli_calm_options_out_of_range_are_refused_before_any_work(saved, tmp_path, extra, words, monkeypatch):
     """``--calm-threshold 2`` ran a CALM row that could never exit (a top-2 margin is at most 1)."""

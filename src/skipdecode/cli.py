@@ -282,7 +282,7 @@ def eval_command(
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
     speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
     policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint' or a JSON policy dict (repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
-    horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's)."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's; needs --speedup or a number as --policy)."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Prompts per generation batch."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items (after --offset)."),
     offset: int = typer.Option(0, "--offset", help="Skip the first N items (evaluate a shard; join shards with benchmarks/plot_eval.py --concat)."),
@@ -312,7 +312,7 @@ def eval_command(
     from .evaluate import detect_task, evaluate
 
     check_quantize_option(quantize)
-    check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics)
+    check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layers, metrics)
     stops = check_eval_run(stop, cohort_size, batch_size, inflight, limit, max_new_tokens, task)
     data, items = eval_items(data, task, skip_bad_rows, offset, limit)
     eval_task = task or detect_task(data)

@@ -14,14 +14,25 @@ from .cli_common import as_option_error, check_cohort_option, check_policy_optio
 from .policy import LinearDecayPolicy
 
 
-def check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics) -> None:
+def _is_speedup(spec: str) -> bool:
+    """Whether a ``--policy`` value is a speedup (``2``, ``2x``), the rows ``--horizon`` times."""
+    text = spec.strip().lower()
+    try:
+        float(text[:-1] if text.endswith("x") else text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layers, metrics) -> None:
     """Check the options that choose ``eval``'s rows and scores, before any data or model is read.
 
     Raises:
         typer.Exit: (2, via :func:`~skipdecode.cli_common.fail`) a ``--speedup`` that is not a
             finite number >= 1, a ``--horizon`` below 1 (with or without ``--speedup``), a
             ``--calm-threshold`` outside [0, 1] or ``--calm-min-layers`` below 1 (or given
-            without ``--calm-threshold``), or a
+            without ``--calm-threshold``), a ``--horizon`` without a speedup row to time (a
+            ``--speedup`` or a number as ``--policy``), or a
             ``--metric`` that is not one of :data:`skipdecode.metrics.METRICS`.
     """
     from .calm import CalmConfig
@@ -30,6 +41,9 @@ def check_eval_rows(speedups, horizon, calm_thresholds, calm_min_layers, metrics
     for speedup in speedups:
         check_policy_options(speedup, None, None, None)
     check_policy_options(None, None, None, horizon)
+    if horizon is not None and not speedups and not any(_is_speedup(p) for p in policies):  # it would be ignored
+        fail(f"--horizon ({horizon}) needs --speedup (or a number as --policy): it times the speedup rows; "
+             "the checkpoint's policy keeps its own horizon")
     if calm_min_layers != 1 and not calm_thresholds:  # it would be ignored: no CALM row runs
         fail(f"--calm-min-layers ({calm_min_layers}) needs --calm-threshold: it sets the CALM rows' fewest layers")
     for threshold in calm_thresholds:  # the library's range, checked before any data or model is read
