@@ -331,6 +331,54 @@ def test_full_depth_steps_reach_the_requests_policy(sk):
         assert policy.active_layers(4) == plain.active_layers(1) and plain.budget(1) < sk.num_layers
 
 
+def test_servers_schedule_shape_holds_for_requests_that_choose_a_speedup():
+    """``serve --full-depth-steps/--horizon/--warmup-layers`` (``policy_defaults``) fill those fields
+    of a request that sends only ``speedup`` (before, such a request ran the trained schedule's
+    full-depth steps or the checkpoint's horizon, unlike one that sent nothing); a request's own
+    value wins, and a request that sends no policy field runs the server's default policy."""
+    from skipdecode.policy import LinearDecayPolicy
+    from skipdecode.protocol import CompletionRequest
+
+    trained = LinearDecayPolicy(num_layers=6, max_layers=5, min_layers=2, warmup_layers=1, horizon=4, full_depth_steps=3)
+    model = SkipModel(make_model("llama", 6), make_tokenizer(), policy=trained,
+                      skip_config={"policies": {"2": trained.to_dict()}, "horizon": 32})
+
+    def policy(body, defaults=None):
+        req = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 1, **body})
+        return validate_request(req, model, "tiny", defaults).policy
+
+    assert policy({"speedup": 2}) == trained  # no server value: the trained schedule, its k = 3
+    assert policy({"speedup": 2}, {"full_depth_steps": 0}) == LinearDecayPolicy(
+        num_layers=6, max_layers=5, min_layers=2, warmup_layers=1, horizon=4, full_depth_steps=0)
+    assert policy({"speedup": 2, "full_depth_steps": 1}, {"full_depth_steps": 0}).full_depth_steps == 1
+    assert (policy({"speedup": 1.5}).horizon, policy({"speedup": 1.5}).warmup_layers) == (32, 1)
+    shaped = policy({"speedup": 1.5}, {"horizon": 10, "warmup_layers": 2})
+    assert (shaped.horizon, shaped.warmup_layers) == (10, 2)
+    assert policy({"speedup": 1.5, "horizon": 5}, {"horizon": 10}).horizon == 5
+    assert policy({}, {"horizon": 10, "full_depth_steps": 0}) is model.policy  # the server's own policy
+    with pytest.raises(ValueError, match="policy_defaults keys must be among warmup_layers, horizon, full_depth_steps, got 'speedup'"):
+        create_app(model, "tiny", policy_defaults={"speedup": 2})
+
+
+def test_serve_passes_its_schedule_shape_options_as_request_defaults(monkeypatch, tmp_path):
+    """``skipdecode serve`` hands the shape options it was given (and only those) to create_app."""
+    import skipdecode.server as server_module
+    from test_server_loopback import free_port
+
+    path = tmp_path / "tiny"
+    SkipModel(make_model("llama", 6), make_tokenizer()).save_pretrained(path)
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(kw["policy_defaults"])
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(server_module, "create_app", spy)
+    runner = CliRunner()
+    for extra in ([], ["--speedup", "2", "--horizon", "7", "--full-depth-steps", "0"], ["--max-layers", "4", "--warmup-layers", "0"]):
+        runner.invoke(cli_app, ["serve", "--model", str(path), "--port", str(free_port()), *extra])
+    assert seen == [{}, {"horizon": 7, "full_depth_steps": 0}, {"warmup_layers": 0}]
+
+
 def test_sampling_params_take_the_servers_seed_range():
     """One seed range (int64, skipdecode.limits) for the API, the CLI and the server; the API used
     to take up to 2**64 - 1 (torch's range) while the server stopped at 2**63 - 1."""

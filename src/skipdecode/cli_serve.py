@@ -57,9 +57,9 @@ def serve(
     speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Default target speedup of requests that give none."),
     max_layers: Optional[int] = typer.Option(None, "--max-layers", help="Default e_max."),
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="Default e_min."),
-    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Default warm-up layers."),
-    horizon: Optional[int] = typer.Option(None, "--horizon", help="Default horizon (tokens)."),
-    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="Default first decode steps at full depth, with the base model's weights (default: the model's schedule's; requests may send full_depth_steps)."),
+    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Default warm-up layers, also of requests that send their own speedup or layers (they may send warmup_layers)."),
+    horizon: Optional[int] = typer.Option(None, "--horizon", help="Default horizon (tokens), also of requests that send their own speedup or layers (they may send horizon)."),
+    full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="Default first decode steps at full depth, with the base model's weights, also of requests that send their own speedup or layers (default: the model's schedule's; requests may send full_depth_steps)."),
     name: str = typer.Option("skipdecode", "--name", help="Model name reported by /v1/models."),
     device: str = typer.Option("cpu", "--device", help="torch device."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
@@ -130,5 +130,7 @@ def serve(
               markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
-                      stream_interval=stream_interval, api_key=api_key)
+                      stream_interval=stream_interval, api_key=api_key,
+                      policy_defaults={k: v for k, v in (("warmup_layers", warmup_layers), ("horizon", horizon),
+                                                         ("full_depth_steps", full_depth_steps)) if v is not None})
     uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())

@@ -385,11 +385,18 @@ def _named(error: ValueError, fields: Sequence[str], fallback: str) -> APIError:
     return APIError(400, message if message.startswith(param) else f"{param}: {message}", param=param)
 
 
-def _policy(req: CommonFields, model: Any) -> SkipPolicy:
+#: The schedule-shape fields a server may default for requests that choose their own policy
+#: (``skipdecode serve --warmup-layers/--horizon/--full-depth-steps``); the budget fields
+#: (``speedup``, ``max_layers``, ``min_layers``) are each request's own.
+SHAPE_FIELDS = ("warmup_layers", "horizon", "full_depth_steps")
+
+
+def _policy(req: CommonFields, model: Any, defaults: Mapping[str, int]) -> SkipPolicy:
     fields = {k: getattr(req, k) for k in _POLICY_FIELDS}
     given = [k for k, v in fields.items() if v is not None]
     if not given:
         return model.policy
+    fields.update({k: v for k, v in defaults.items() if fields[k] is None})
     try:
         return model.policy_for(**fields)
     except ValueError as e:
@@ -519,13 +526,17 @@ def _logprobs(req: Union[CompletionRequest, ChatCompletionRequest]) -> Optional[
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model: Any, model_name: str) -> ValidRequest:
+def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model: Any, model_name: str,
+                     policy_defaults: Optional[Mapping[str, int]] = None) -> ValidRequest:
     """Check a parsed request in full and encode its prompts; nothing reaches the engine before.
 
     Args:
         req: the parsed body (schema checks already done by pydantic).
         model: the served :class:`~skipdecode.model.SkipModel`.
         model_name: the name the server answers to.
+        policy_defaults: values of :data:`SHAPE_FIELDS` for a request that sends a policy field
+            but not these (``skipdecode serve --horizon`` etc.); a request that sends none runs
+            ``model.policy``, the server's default policy, which already holds them.
 
     Returns:
         A :class:`ValidRequest`.
@@ -547,7 +558,7 @@ def validate_request(req: Union[CompletionRequest, ChatCompletionRequest], model
         raise unknown_model(req.model, model_name)
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options", "only allowed when stream is true")
-    policy, sampling = _policy(req, model), _sampling(req)
+    policy, sampling = _policy(req, model, policy_defaults or {}), _sampling(req)
     try:
         stop = check_stop(req.stop, "stop")
     except ValueError as e:

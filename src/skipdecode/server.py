@@ -47,6 +47,7 @@ from .jsonio import dumps, json_safe
 from .logprobs import chat_logprobs, completion_logprobs, token_bytes
 from .model import SkipModel
 from .protocol import (
+    SHAPE_FIELDS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -245,9 +246,10 @@ class _Routes:
     publish them as the routes' OpenAPI descriptions."""
 
     def __init__(self, model: SkipModel, model_name: str, scheduler: Scheduler, executor: Executor,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, policy_defaults: Mapping[str, int]) -> None:
         self.model = model
         self.model_name = model_name
+        self.policy_defaults = policy_defaults
         self.scheduler = scheduler
         self.executor = executor
         self.metrics = metrics
@@ -266,7 +268,7 @@ class _Routes:
         """:func:`validate_request` (prompts tokenized) on a worker thread, off the event loop."""
         def check() -> ValidRequest:
             with self.tokenizer_lock:
-                return validate_request(req, self.model, self.model_name)
+                return validate_request(req, self.model, self.model_name, self.policy_defaults)
 
         return await asyncio.to_thread(check)
 
@@ -459,6 +461,7 @@ def create_app(
     align_steps: int = SERVE_ALIGN_STEPS,
     stream_interval: int = 1,
     api_key: Optional[str] = None,
+    policy_defaults: Optional[Mapping[str, int]] = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``model`` under the name ``model_name``.
 
@@ -479,6 +482,9 @@ def create_app(
     With ``api_key``, requests to the ``/v1/`` routes must send ``Authorization: Bearer <api_key>``
     (401 otherwise, :class:`_ApiKey`; OpenAI's and vLLM's ``--api-key``); ``/health`` and
     ``/metrics`` stay open.
+    ``policy_defaults`` (keys of :data:`~skipdecode.protocol.SHAPE_FIELDS`: ``warmup_layers``,
+    ``horizon``, ``full_depth_steps``) fill those fields of a request that sends another policy field
+    (e.g. only ``speedup``), so that the server's ``--horizon`` holds for it too.
     A streamed response sends each row's tokens in events of ``stream_interval`` tokens (its first
     token and its last at once; vLLM's and SGLang's ``--stream-interval``; 1, the default: one
     event per token), :class:`~skipdecode.execution.Submission`.
@@ -497,12 +503,17 @@ def create_app(
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
             [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
             (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
-            ``api_key`` as :func:`check_api_key` refuses it.
+            ``api_key`` as :func:`check_api_key` refuses it; a ``policy_defaults`` key outside
+            :data:`~skipdecode.protocol.SHAPE_FIELDS`.
     """
     if api_key is not None:
         api_key = check_api_key(api_key)
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be an integer >= 1 (tokens per streamed event), got {stream_interval!r}")
+    policy_defaults = dict(policy_defaults or {})
+    unknown = sorted(set(policy_defaults) - set(SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"policy_defaults keys must be among {', '.join(SHAPE_FIELDS)}, got {unknown[0]!r}")
     app = FastAPI(title="skipdecode", description="OpenAI-compatible SkipDecode server",
                   default_response_class=StrictJSONResponse)
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
@@ -515,5 +526,5 @@ def create_app(
     if api_key is not None:  # added last: it runs first, so a request without the key is never read
         app.add_middleware(_ApiKey, api_key=api_key)
     _add_error_handlers(app)
-    _Routes(model, model_name, scheduler, executor, app.state.metrics).register(app)
+    _Routes(model, model_name, scheduler, executor, app.state.metrics, policy_defaults).register(app)
     return app
