@@ -144,6 +144,10 @@ def test_bad_arguments(tiny):
     with pytest.raises(ValueError):
         parse_float_list("1", "s")
     assert parse_float_list("") == [] and parse_int_list("1, 8") == [1, 8]
+    with pytest.raises(ValueError, match=r"^--speedups must not repeat a value \(2 is given twice\), got '2,3,2.0'$"):
+        parse_float_list("2,3,2.0", "--speedups")  # timed twice, one row mixing both runs, before
+    with pytest.raises(ValueError, match=r"^--batch-sizes must not repeat a value \(1 is given twice\)"):
+        parse_int_list("1,8,1", "--batch-sizes")
     assert len(batch_prompts(40)) == 40 and len(set(batch_prompts(32))) == 32
 
 
@@ -222,6 +226,7 @@ def test_cli_bench_bad_options(tmp_path):
     from skipdecode.cli import app
 
     for args, word in ((["--batch-sizes", "1,x"], "--batch-sizes"), (["--new-tokens", "1"], "--new-tokens"),
-                       (["--speedups", "0.5"], "--speedups")):
+                       (["--speedups", "0.5"], "--speedups"), (["--speedups", "2,2"], "--speedups must not repeat"),
+                       (["--batch-sizes", "1,1"], "--batch-sizes must not repeat")):
         res = CliRunner().invoke(app, ["bench", *args, "--out", str(tmp_path / "x.json")])
         assert res.exit_code == 2 and word in res.output, res.output

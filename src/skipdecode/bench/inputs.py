@@ -64,8 +64,8 @@ def parse_int_list(text: str, name: str = "value") -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]`` (e.g. batch sizes, in sequences).
 
     Raises:
-        ValueError: ``text`` is not comma-separated integers, is empty, or holds a value < 1;
-            the message names ``name``.
+        ValueError: ``text`` is not comma-separated integers, is empty, or holds a value < 1
+            or one twice; the message names ``name``.
     """
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
@@ -73,6 +73,17 @@ def parse_int_list(text: str, name: str = "value") -> list[int]:
         raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise ValueError(f"{name} must be comma-separated integers >= 1, got {text!r}")
+    return _no_repeats(values, name, text)
+
+
+def _no_repeats(values: list, name: str, text: str) -> list:
+    """``values``, or a ValueError naming ``name`` when one is given twice (it would be timed twice,
+    its rows in the table twice, each mixing both runs)."""
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"{name} must not repeat a value ({v:g} is given twice), got {text!r}")
+        seen.add(v)
     return values
 
 
@@ -81,7 +92,7 @@ def parse_float_list(text: str, name: str = "value") -> list[float]:
 
     Raises:
         ValueError: ``text`` is not comma-separated numbers, or holds a value <= 1 (full depth
-            is always measured); the message names ``name``.
+            is always measured) or one twice (``2,2.0``); the message names ``name``.
     """
     try:
         values = [float(x) for x in str(text).split(",") if x.strip()]
@@ -89,7 +100,7 @@ def parse_float_list(text: str, name: str = "value") -> list[float]:
         raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
     if any(not v > 1 for v in values):
         raise ValueError(f"{name} must be numbers > 1 (full depth is always measured), got {text!r}")
-    return values
+    return _no_repeats(values, name, text)
 
 
 def batch_prompts(batch_size: int, prompts: Sequence[str] = DEFAULT_PROMPTS) -> list[str]:
