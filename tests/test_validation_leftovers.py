@@ -210,6 +210,9 @@ def test_cli_sampling_options_name_the_option_and_its_range(saved, extra, words,
     (["--max-layers", "4"], ["--max-layers cannot be combined with --speedup"]),  # the fields it names: options
     (["--min-layers", "2"], ["--min-layers cannot be combined with --speedup"]),  # the option given, not --max-layers
     (["--teacher-forcing", "max_layers"], ["--teacher-forcing must be one of sparse, masked, got 'max_layers'"]),
+    # options that would be silently ignored
+    (["--val-fraction", "0", "--eval-every", "5"], ["--eval-every (5) needs a validation set: --val-fraction is 0"]),
+    (["--keep-checkpoints", "3"], ["--keep-checkpoints (3) needs --checkpoint-every"]),
 ])
 def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, extra, words, monkeypatch):
     """The training seed goes to numpy through ``accelerate.utils.set_seed`` (32 bits): 2**32 was

@@ -97,7 +97,7 @@ def generate(
     speedup: Optional[float] = typer.Option(None, "--speedup", "-s", help="Target speedup (>= 1); picks max/min layers (paper Sec. 3; docs/design.md)."),
     max_layers: Optional[int] = typer.Option(None, "--max-layers", help="e_max: layers at step 0 of the decay."),
     min_layers: Optional[int] = typer.Option(None, "--min-layers", help="e_min: floor of the layer budget (default: the floor of the model's own policy, e.g. its skip adapter's; without one, = --max-layers, a constant budget)."),
-    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default 1)."),
+    warmup_layers: Optional[int] = typer.Option(None, "--warmup-layers", help="Bottom layers that always run (default: the model's schedule's, else 1)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Decode steps over which the budget decays (tokens)."),
     full_depth_steps: Optional[int] = typer.Option(None, "--full-depth-steps", help="First decode steps that run every layer, with the base model's weights, before the decay (default: the model's schedule's, e.g. 14 for the embedded model's --speedup 2; 0: the paper's schedule)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens generated per prompt."),
@@ -402,7 +402,7 @@ def train(
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of distinct prompts held out for validation loss (0: no validation, the quickest for short trial runs)."),
     eval_every: int = typer.Option(0, "--eval-every", help="Validation every N steps (0: start and end only)."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps for --resume (0: final model only)."),
-    keep_checkpoints: int = typer.Option(1, "--keep-checkpoints", help="Checkpoints kept in --out, newest first (older ones are deleted as new ones are written)."),
+    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="With --checkpoint-every: checkpoints kept in --out, newest first (older ones are deleted as new ones are written; default 1)."),
     distill: bool = typer.Option(False, "--distill", help="Self-distillation: train on the full-depth model's greedy answers (no labels needed)."),
     kl_weight: float = typer.Option(0.0, "--kl-weight", help="Add this times KL to the full-depth teacher's logits."),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="KL teacher model (name, directory or .gguf; same tokenizer vocabulary); default: the starting model, frozen."),
@@ -438,6 +438,7 @@ def train(
     def option(field_name: str) -> str:
         return renamed.get(field_name, "--" + field_name.replace("_", "-"))
 
+    _check_ignored_train_options(eval_every, val_fraction, keep_checkpoints, checkpoint_every)
     speedup_list = None
     if speedups is not None:
         try:
@@ -457,7 +458,7 @@ def train(
             kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens,
             distill_answers_from=distill_answers_from, lora_r=lora_r,
             lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every,
-            save_total_limit=keep_checkpoints, resume=resume,
+            save_total_limit=1 if keep_checkpoints is None else keep_checkpoints, resume=resume,
             progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
             entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr, on_policy=on_policy, init_adapter=init_adapter,
             position_half_life=position_half_life,
@@ -519,6 +520,16 @@ class _Terminated(KeyboardInterrupt):
 def _interrupt(signum, frame) -> None:
     """SIGTERM handler of ``train``."""
     raise _Terminated
+
+
+def _check_ignored_train_options(eval_every, val_fraction, keep_checkpoints, checkpoint_every) -> None:
+    """Exit 2 (one line naming the options) for a ``train`` option that would be silently ignored:
+    ``--eval-every`` with ``--val-fraction 0`` (no validation set), ``--keep-checkpoints`` without
+    ``--checkpoint-every`` (only final/ is written). Values out of range are TrainConfig's to name."""
+    if eval_every and val_fraction == 0:
+        fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
+    if keep_checkpoints is not None and not checkpoint_every:
+        fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
 
 
 def _interrupted(out: Path, checkpoint_every: int, status: int) -> None:
