@@ -356,6 +356,11 @@ def test_servers_schedule_shape_holds_for_requests_that_choose_a_speedup():
     assert (shaped.horizon, shaped.warmup_layers) == (10, 2)
     assert policy({"speedup": 1.5, "horizon": 5}, {"horizon": 10}).horizon == 5
     assert policy({}, {"horizon": 10, "full_depth_steps": 0}) is model.policy  # the server's own policy
+    # a value the client did not send is named as the server's
+    with pytest.raises(APIError) as info:
+        policy({"max_layers": 2}, {"warmup_layers": 2})
+    assert info.value.param == "warmup_layers" and info.value.detail.endswith(
+        "(warmup_layers 2 is the server's --warmup-layers; send warmup_layers to override)"), info.value.detail
     with pytest.raises(ValueError, match="policy_defaults keys must be among warmup_layers, horizon, full_depth_steps, got 'speedup'"):
         create_app(model, "tiny", policy_defaults={"speedup": 2})
 

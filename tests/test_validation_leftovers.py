@@ -164,6 +164,7 @@ def test_cli_eval_stop_empty_alone_means_none_and_otherwise_is_refused(saved, tm
     (["--calm-min-layers", "3"], "--calm-min-layers (3) needs --calm-threshold"),  # silently ignored before
     (["--horizon", "2"], "--horizon (2) needs --speedup"),  # so was this: the checkpoint row keeps its own
     (["--horizon", "2", "--policy", "checkpoint", "--policy", "full"], "--horizon (2) needs --speedup"),
+    (["--horizon", "2", "--speedup", "1", "--policy", "1x"], "--horizon (2) needs --speedup above 1"),
 ])
 def test_cli_calm_options_out_of_range_are_refused_before_any_work(saved, tmp_path, extra, words, monkeypatch):
     """``--calm-threshold 2`` ran a CALM row that could never exit (a top-2 margin is at most 1)."""
@@ -213,6 +214,7 @@ def test_cli_sampling_options_name_the_option_and_its_range(saved, extra, words,
     # options that would be silently ignored
     (["--val-fraction", "0", "--eval-every", "5"], ["--eval-every (5) needs a validation set: --val-fraction is 0"]),
     (["--keep-checkpoints", "3"], ["--keep-checkpoints (3) needs --checkpoint-every"]),
+    (["--val-fraction", "0", "--eval-every", "-1"], ["--eval-every must be"]),  # the range first
 ])
 def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, extra, words, monkeypatch):
     """The training seed goes to numpy through ``accelerate.utils.set_seed`` (32 bits): 2**32 was

@@ -290,7 +290,7 @@ def eval_command(
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable, at most 4; default: newline for E2E, none otherwise; --stop '' alone for none)."),
     metrics: List[str] = typer.Option([], "--metric", help="Metric (repeatable): bleu, chrf, nist, rouge1, rouge2, rougeL (default: by task)."),
     calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold in [0, 1] (1: never exit; repeatable)."),
-    calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="Fewest layers a CALM token runs before it may exit."),
+    calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="With --calm-threshold: fewest layers a CALM token runs before it may exit."),
     out_dir: Path = typer.Option(Path("eval_results"), "--out", "-o", help="Folder for NAME.json, NAME.md and NAME.png."),
     name: str = typer.Option("eval", "--name", help="Base name of the three output files."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: the checkpoint's setting)."),
@@ -400,7 +400,7 @@ def train(
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping norm (0: off)."),
     max_length: int = typer.Option(256, "--max-length", help="Longest prompt + response in tokens (longer responses are cut)."),
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of distinct prompts held out for validation loss (0: no validation, the quickest for short trial runs)."),
-    eval_every: int = typer.Option(0, "--eval-every", help="Validation every N steps (0: start and end only)."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Validation every N steps (0: start and end only; needs --val-fraction > 0)."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Checkpoint every N steps for --resume (0: final model only)."),
     keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="With --checkpoint-every: checkpoints kept in --out, newest first (older ones are deleted as new ones are written; default 1)."),
     distill: bool = typer.Option(False, "--distill", help="Self-distillation: train on the full-depth model's greedy answers (no labels needed)."),
@@ -526,7 +526,7 @@ def _check_ignored_train_options(eval_every, val_fraction, keep_checkpoints, che
     """Exit 2 (one line naming the options) for a ``train`` option that would be silently ignored:
     ``--eval-every`` with ``--val-fraction 0`` (no validation set), ``--keep-checkpoints`` without
     ``--checkpoint-every`` (only final/ is written). Values out of range are TrainConfig's to name."""
-    if eval_every and val_fraction == 0:
+    if eval_every > 0 and val_fraction == 0:
         fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
     if keep_checkpoints is not None and not checkpoint_every:
         fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")

@@ -15,13 +15,12 @@ from .policy import LinearDecayPolicy
 
 
 def _is_speedup(spec: str) -> bool:
-    """Whether a ``--policy`` value is a speedup (``2``, ``2x``), the rows ``--horizon`` times."""
+    """Whether a ``--policy`` value is a speedup above 1 (``2``, ``2x``), a row ``--horizon`` times."""
     text = spec.strip().lower()
     try:
-        float(text[:-1] if text.endswith("x") else text)
+        return float(text[:-1] if text.endswith("x") else text) > 1
     except ValueError:
         return False
-    return True
 
 
 def check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layers, metrics) -> None:
@@ -32,7 +31,7 @@ def check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layer
             finite number >= 1, a ``--horizon`` below 1 (with or without ``--speedup``), a
             ``--calm-threshold`` outside [0, 1] or ``--calm-min-layers`` below 1 (or given
             without ``--calm-threshold``), a ``--horizon`` without a speedup row to time (a
-            ``--speedup`` or a number as ``--policy``), or a
+            ``--speedup`` above 1 or such a number as ``--policy``), or a
             ``--metric`` that is not one of :data:`skipdecode.metrics.METRICS`.
     """
     from .calm import CalmConfig
@@ -41,8 +40,9 @@ def check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layer
     for speedup in speedups:
         check_policy_options(speedup, None, None, None)
     check_policy_options(None, None, None, horizon)
-    if horizon is not None and not speedups and not any(_is_speedup(p) for p in policies):  # it would be ignored
-        fail(f"--horizon ({horizon}) needs --speedup (or a number as --policy): it times the speedup rows; "
+    if horizon is not None and not any(s > 1 for s in speedups) and not any(_is_speedup(p) for p in policies):
+        # it would be ignored: full depth has no horizon, the checkpoint row keeps its own
+        fail(f"--horizon ({horizon}) needs --speedup above 1 (or such a number as --policy): it times the speedup rows; "
              "the checkpoint's policy keeps its own horizon")
     if calm_min_layers != 1 and not calm_thresholds:  # it would be ignored: no CALM row runs
         fail(f"--calm-min-layers ({calm_min_layers}) needs --calm-threshold: it sets the CALM rows' fewest layers")

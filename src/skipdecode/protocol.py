@@ -34,6 +34,7 @@ the CLI use), the policy, the sampling settings and the token budget, every erro
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
@@ -396,11 +397,19 @@ def _policy(req: CommonFields, model: Any, defaults: Mapping[str, int]) -> SkipP
     given = [k for k, v in fields.items() if v is not None]
     if not given:
         return model.policy
-    fields.update({k: v for k, v in defaults.items() if fields[k] is None})
+    filled = {k: v for k, v in defaults.items() if fields[k] is None}
+    fields.update(filled)
     try:
         return model.policy_for(**fields)
     except ValueError as e:
-        raise _named(e, _POLICY_FIELDS, given[0]) from None
+        error = _named(e, _POLICY_FIELDS, given[0])
+        for k, v in filled.items():  # a value the client did not send: say where it came from
+            if re.search(rf"\b{k}\b", error.detail):
+                option = "--" + k.replace("_", "-")
+                error = APIError(400, f"{error.detail} ({k} {v} is the server's {option}; send {k} to override)",
+                                 param=error.param)
+                break
+        raise error from None
 
 
 def _sampling(req: CommonFields) -> SamplingParams:
