@@ -24,6 +24,7 @@ gap to the equally trained 1x model). Prints the table, ends with one JSON line.
 
     python benchmarks/frontier.py --threads 2 --no-progress                       # one epoch each (2 cores: ~4.5 h)
     python benchmarks/frontier.py --recipe no-prompt-grad --epochs 2 --name frontier_2ep
+    python benchmarks/frontier.py --recipe from-1x --lr 5e-4 --speedups 3 --mixed '' --name frontier_from1x
     python benchmarks/frontier.py --dry-run                                         # the plan only
     python benchmarks/frontier.py --device cuda --bf16 --eval-dtype bfloat16 --epochs 5 --batch-size 64 \\
         --eval-batch-size 128 --deadline-minutes 9                                   # benchmarks/gpu_frontier.sh
@@ -63,6 +64,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speedups", default="1,2,3,5", help="one model per target speedup")
     p.add_argument("--mixed", default="2,3,5", help="speedups of the mixed-policy model ('' for none)")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the training pairs, every model")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate of every model, 1x included (default: the recipe's; 2e-4 where it sets none)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="base model: id, directory or .gguf")
     p.add_argument("--data", default=None, help="E2E dev CSV (default: <shared data>/e2e/devset.csv)")
     p.add_argument("--test-data", default=None, help="E2E test CSV (default: <shared data>/e2e/testset_w_refs.csv)")
@@ -109,6 +112,8 @@ def _check(args: argparse.Namespace) -> None:
         _die(f"--recipe must be one of {', '.join(n for n in RECIPES if n != '1x')}, got {args.recipe!r}")
     if not args.epochs > 0:
         _die(f"--epochs must be > 0, got {args.epochs}")
+    if args.lr is not None and not 0 < args.lr < 1:
+        _die(f"--lr must be in (0, 1), got {args.lr}")
     for name in ("batch_size", "eval_batch_size"):
         if getattr(args, name) < 1:
             _die(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -150,6 +155,8 @@ def _train_config(args: argparse.Namespace, entry: dict, run_dir: Path, epochs: 
               checkpoint_every=args.checkpoint_every, save_total_limit=1, resume=args.checkpoint_every > 0,
               seed=args.seed, device=args.device, bf16=args.bf16, progress=not args.no_progress, **sched)
     kw.update(overrides)
+    if args.lr is not None:  # one learning rate for every model, as the recipe's own would be
+        kw["lr"] = args.lr
     return TrainConfig(**kw)
 
 

@@ -132,7 +132,8 @@ def test_frontier_dry_run_and_bad_input(tmp_path, tiny_dir, csvs, capsys):
     assert [m["label"] for m in dry["models"]] == ["1x", "3x", "mix2-3"]  # from-1x needs the 1x model
     assert dry["test_items"] == 5 and not (tmp_path / "runs").exists()
     for bad, option in [(["--recipe", "1x"], "--recipe"), (["--speedups", "2,x"], "--speedups"),
-                        (["--mixed", "3"], "--mixed"), (["--epochs", "0"], "--epochs")]:
+                        (["--mixed", "3"], "--mixed"), (["--epochs", "0"], "--epochs"), (["--lr", "0"], "--lr"),
+                        (["--lr", "2"], "--lr")]:
         with pytest.raises(SystemExit) as exc:
             mod.main(_args(tiny_dir, csvs, tmp_path, "--dry-run", *bad))
         assert exc.value.code == 2
@@ -154,6 +155,18 @@ def test_frontier_labels_kl_1x_distils_from_the_equally_trained_1x_model(tmp_pat
     assert mixed.teacher == str(runs / "1x" / "final")
     ref = mod._train_config(args, {"label": "1x", "speedups": [1.0]}, runs / "1x", 1.0)
     assert ref.kl_weight == 0 and ref.teacher is None
+
+
+def test_frontier_lr_overrides_the_recipe_for_every_model(tmp_path, tiny_dir, csvs):
+    """--lr sets the learning rate of every model (1x and skip models alike); without it each model
+    takes its recipe's (lr-5e-4: 5e-4) or the trainer default of the frontier (2e-4)."""
+    mod = load_benchmark("frontier")
+    runs = tmp_path / "runs"
+    entries = [({"label": "1x", "speedups": [1.0]}, runs / "1x"), ({"label": "3x", "speedups": [3.0]}, runs / "3x")]
+    for extra, want in [(["--recipe", "from-1x"], 2e-4), (["--recipe", "lr-5e-4"], 5e-4),
+                        (["--recipe", "from-1x", "--lr", "5e-4"], 5e-4), (["--recipe", "lr-5e-4", "--lr", "1e-4"], 1e-4)]:
+        args = mod._parse(_args(tiny_dir, csvs, tmp_path, *extra))
+        assert [mod._train_config(args, e, d, 1.0).lr for e, d in entries] == [want, want], extra
 
 
 def test_gpu_frontier_script_runs_on_cpu_with_a_tiny_model(tmp_path, tiny_dir, csvs):
