@@ -203,6 +203,17 @@ def test_config_errors_name_the_field(tmp_path, kw, field):
     assert info.value.field == field and str(info.value).startswith(field)
 
 
+def test_eval_every_needs_validation_data(tmp_path):
+    """eval_every > 0 with val_fraction 0 (the API default) and no val_data is refused before any
+    work, naming eval_every; with val_data given, validation runs every eval_every steps."""
+    with pytest.raises(TrainConfigError) as info:
+        train(tiny_skipmodel(), examples(), cfg(tmp_path / "run", eval_every=1))
+    assert info.value.field == "eval_every" and "val_fraction" in str(info.value)
+    assert not (tmp_path / "run").exists()
+    result = train(tiny_skipmodel(), examples(), cfg(tmp_path / "ok", eval_every=1, max_steps=2), val_data=examples()[:2])
+    assert [r["step"] for r in result.val_log] == [0, 1, 2]
+
+
 def test_config_is_frozen_and_policies_fit_the_model(tmp_path):
     c = cfg(tmp_path, speedup=None, speedups=[2, 3])
     assert c.speedups == (2.0, 3.0)

@@ -570,10 +570,15 @@ def train(
         TrainConfigError: settings that do not fit the model or the data (``.field`` names it),
             e.g. a speedup too high for the layer count, ``out_dir`` holding another run's
             checkpoints without ``resume`` or a finished model (``final/``) with no checkpoint to
-            resume from, or a resume whose settings differ from the checkpoint's.
+            resume from, a resume whose settings differ from the checkpoint's, or ``eval_every``
+            > 0 with no validation data (``val_fraction`` 0 and no ``val_data``).
         skipdecode.data.DataError: the data cannot be read, or no example fits ``max_length``.
         skipdecode.loading.LoadError: ``model`` cannot be loaded.
     """
+    if config.eval_every > 0 and config.val_fraction == 0 and val_data is None:
+        # the CLI refuses --eval-every with --val-fraction 0; the API's val_fraction defaults to 0
+        raise TrainConfigError("eval_every", f"validation every {config.eval_every} steps needs validation data: "
+                                             "set val_fraction > 0 or pass val_data")
     existing = first_existing(config.out_dir)
     try:
         run = _Run(model, config)
