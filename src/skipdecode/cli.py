@@ -438,7 +438,8 @@ def train(
     def option(field_name: str) -> str:
         return renamed.get(field_name, "--" + field_name.replace("_", "-"))
 
-    _check_ignored_train_options(eval_every, val_fraction, keep_checkpoints, checkpoint_every)
+    if keep_checkpoints is not None and not checkpoint_every:  # it would be silently ignored
+        fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
     speedup_list = None
     if speedups is not None:
         try:
@@ -465,6 +466,8 @@ def train(
         )
     except TrainConfigError as e:
         fail(f"{option(e.field)} {_with_options(e.reason, option)}")
+    if config.needs_val_data:  # the CLI has no separate validation file: it would be silently ignored
+        fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
     try:
         check_data_file(data)  # a folder fails here, before the model loads
     except DataError as e:
@@ -520,16 +523,6 @@ class _Terminated(KeyboardInterrupt):
 def _interrupt(signum, frame) -> None:
     """SIGTERM handler of ``train``."""
     raise _Terminated
-
-
-def _check_ignored_train_options(eval_every, val_fraction, keep_checkpoints, checkpoint_every) -> None:
-    """Exit 2 (one line naming the options) for a ``train`` option that would be silently ignored:
-    ``--eval-every`` with ``--val-fraction 0`` (no validation set), ``--keep-checkpoints`` without
-    ``--checkpoint-every`` (only final/ is written). Values out of range are TrainConfig's to name."""
-    if eval_every > 0 and val_fraction == 0:
-        fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
-    if keep_checkpoints is not None and not checkpoint_every:
-        fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
 
 
 def _interrupted(out: Path, checkpoint_every: int, status: int) -> None:

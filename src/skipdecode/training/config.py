@@ -233,6 +233,13 @@ class TrainConfig:
         _check_distill_lora(self)
         _check_run(self)
 
+    @property
+    def needs_val_data(self) -> bool:
+        """True when ``eval_every`` > 0 but ``val_fraction`` is 0: validation then needs data given
+        apart (``train(..., val_data=...)``); ``train`` raises ``TrainConfigError("eval_every")``
+        without it and the CLI, which has no such option, refuses ``--eval-every`` at once."""
+        return self.eval_every > 0 and self.val_fraction == 0
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict of all fields."""
         d = asdict(self)

@@ -575,8 +575,7 @@ def train(
         skipdecode.data.DataError: the data cannot be read, or no example fits ``max_length``.
         skipdecode.loading.LoadError: ``model`` cannot be loaded.
     """
-    if config.eval_every > 0 and config.val_fraction == 0 and val_data is None:
-        # the CLI refuses --eval-every with --val-fraction 0; the API's val_fraction defaults to 0
+    if config.needs_val_data and val_data is None:  # the API's val_fraction defaults to 0
         raise TrainConfigError("eval_every", f"validation every {config.eval_every} steps needs validation data: "
                                              "set val_fraction > 0 or pass val_data")
     existing = first_existing(config.out_dir)
