@@ -179,6 +179,8 @@ def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkey
     (["--policy", '{"type": "linear_decay", "num_layers": 30, "max_layers": 9, "min_layers": 2}'],
      "error: --policy: policy.num_layers (30) must equal the model's num_layers (4)", True),
     (["--policy", "warp"], "error: --policy: unknown policy 'warp'", True),
+    (["--policy", '{"type": "linear_decay", "max_layers": 3}'],  # num_layers comes from the model
+     "error: --policy of type 'linear_decay': missing min_layers (its fields: num_layers, max_layers", True),
 ])
 def test_eval_option_errors_name_the_option(saved, tmp_path, monkeypatch, extra, want, loads):
     """These named the library's field (``speedup must``, ``calm_min_layers must``) or none at all
@@ -268,3 +270,34 @@ def test_eval_stop_help_keeps_its_own_default():
     unlike generate's and chat's shared stop help."""
     res, text = _run(["eval", "--help"])
     assert res.exit_code == 0 and "default:newlineforE2E" in text and "--stop''aloneforn" in text, res.output
+
+
+@pytest.mark.parametrize("name", ["../afile", "sub/x", "..", ""])
+def test_eval_name_is_a_file_name(saved, tmp_path, monkeypatch, name):
+    """``--name ../afile`` wrote ``OUT/../afile.json``, outside --out; refused before loading."""
+    _no_model_load(monkeypatch)
+    res, text = _run(["eval", "--model", str(saved), "--data", str(_eval_data(tmp_path)), "-n", "2",
+                      "--out", str(tmp_path / "o"), "--no-progress", "--name", name])
+    _one_line_exit_2(res, text, f"error: --name must be a file name without a folder (the files go to --out), got {name!r}")
+
+
+def test_bench_output_that_is_a_folder_is_refused_before_loading(saved, tmp_path, monkeypatch):
+    """``bench --output DIR`` ran the whole benchmark, then failed with IsADirectoryError and left
+    its temp file beside DIR; now one line before the model loads, and nothing is written."""
+    _no_model_load(monkeypatch)
+    folder = tmp_path / "outdir"
+    folder.mkdir()
+    res, text = _run(["bench", "--model", str(saved), "--output", str(folder)])
+    _one_line_exit_2(res, text, f"error: --output {folder} is a folder; give a file path in it, such as "
+                                f"{folder / 'results.json'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outdir"] and not any(folder.iterdir())
+
+
+def test_write_json_atomic_leaves_no_temp_file_when_it_fails(tmp_path):
+    from skipdecode.model import write_json_atomic
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_json_atomic(folder, {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]

@@ -114,6 +114,27 @@ def test_inflight_eval_same_generations_and_row_step_speedup(sk, items_file):
     assert skip.theoretical_speedup == pytest.approx(L * row_steps / row_layers)
 
 
+def test_warm_up_takes_the_path_of_the_timed_calls(sk, items_file, monkeypatch):
+    """The untimed warm-up runs each row as its timed calls will: in flight through the engine
+    (max_batch_size, cohort_size, prefix_cache as the timed call), else a static batch; a warm-up
+    on the static path only left the engine's first timed row cold (its speedups inflated)."""
+    items = load_eval_items(items_file)
+    calls = []
+    real = SkipModel.generate
+
+    def spy(self, prompts, **kw):
+        calls.append((len(prompts), kw.get("max_batch_size"), kw.get("cohort_size", 1), kw["max_new_tokens"]))
+        return real(self, prompts, **kw)
+
+    monkeypatch.setattr(SkipModel, "generate", spy)
+    evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=9, stop=(), warmup=True, inflight=True, cohort_size=2)
+    # full depth and 2x: two warm-ups (first batch, 8 tokens), then two timed runs over all 5 items
+    assert calls == [(2, 2, 2, 8), (2, 2, 2, 8), (5, 2, 2, 9), (5, 2, 2, 9)]
+    calls.clear()
+    evaluate(sk, items, [2.0], batch_size=2, max_new_tokens=9, stop=(), warmup=True)
+    assert calls[:2] == [(2, None, 1, 8), (2, None, 1, 8)] and all(c[1] is None for c in calls)
+
+
 def test_inflight_eval_cohorts_reach_the_engine_and_keep_generations(sk, items_file, monkeypatch):
     """cohort_size goes to the in-flight engine (recorded in meta), the generations are unchanged,
     and a cohort larger than the batch is refused naming cohort_size."""
@@ -192,6 +213,9 @@ def test_policy_resolution_and_deduplication(sk, items_file):
     custom = LinearDecayPolicy(num_layers=L, max_layers=5, min_layers=3, horizon=4)
     assert resolve_policy(sk, json.dumps(custom.to_dict())) == ("custom", custom)
     assert resolve_policy(sk, custom.to_dict()) == ("custom", custom)
+    no_layers = {k: v for k, v in custom.to_dict().items() if k != "num_layers"}  # the model's count
+    assert resolve_policy(sk, no_layers) == ("custom", custom)
+    assert resolve_policy(sk, json.dumps(no_layers)) == ("custom", custom)
     assert resolve_policy(sk, "full") == ("full", FullPolicy(L))
     for bad, match in [("fast", "unknown policy"), (0.5, "speedup"), ("{bad json", "JSON"),
                        (LinearDecayPolicy(num_layers=8, max_layers=4, min_layers=2), "num_layers"),

@@ -194,8 +194,15 @@ def test_policy_from_dict_full_and_errors():
         policy_from_dict({"type": "exponential", "num_layers": 4})
     with pytest.raises(ValueError, match="type"):
         policy_from_dict({"num_layers": 4})
-    with pytest.raises(ValueError, match="invalid fields"):
+    with pytest.raises(ValueError) as info:
         policy_from_dict({"type": "full", "num_layers": 4, "bogus": 1})
+    assert str(info.value) == ("policy of type 'full': unknown field(s) 'bogus' (its fields: num_layers; "
+                               "required: num_layers)")
+    with pytest.raises(ValueError) as info:  # named by field, not by Python's TypeError about __init__
+        policy_from_dict({"type": "linear_decay", "max_layers": 5})
+    assert str(info.value).startswith("policy of type 'linear_decay': missing num_layers, min_layers (its fields: "
+                                      "num_layers, max_layers, min_layers, warmup_layers, horizon")
+    assert "__init__" not in str(info.value)
     with pytest.raises(ValueError, match="min_layers"):
         policy_from_dict({"type": "linear_decay", "num_layers": 6, "max_layers": 3, "min_layers": 5})
 

@@ -292,7 +292,7 @@ def eval_command(
     calm_thresholds: List[float] = typer.Option([], "--calm-threshold", help="Add a CALM early-exit baseline row (batch 1) with this top-2 softmax margin threshold in [0, 1] (1: never exit; repeatable)."),
     calm_min_layers: int = typer.Option(1, "--calm-min-layers", help="With --calm-threshold: fewest layers a CALM token runs before it may exit."),
     out_dir: Path = typer.Option(Path("eval_results"), "--out", "-o", help="Folder for NAME.json, NAME.md and NAME.png."),
-    name: str = typer.Option("eval", "--name", help="Base name of the three output files."),
+    name: str = typer.Option("eval", "--name", help="Base name of the three output files in --out (no folder)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Use the chat template (default: the checkpoint's setting)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
@@ -317,6 +317,8 @@ def eval_command(
     data, items = eval_items(data, task, skip_bad_rows, offset, limit)
     eval_task = task or detect_task(data)
     check_output_folder(out_dir, "--out")
+    if not name.strip() or name in (".", "..") or any(sep in name for sep in ("/", "\\")):
+        fail(f"--name must be a file name without a folder (the files go to --out), got {name!r}")
     entries = _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter)
     specs = [*speedups, *policies] or None
     baseline_label = _baseline_label(baseline, list(models or ["stock"]), list(entries))

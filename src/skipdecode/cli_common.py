@@ -224,6 +224,8 @@ def check_output_folder(folder: Path, option: str, given: Path | None = None) ->
     """
     from .paths import writable_dir_problem
 
+    if given is not None and given.is_dir():
+        fail(f"{option} {given} is a folder; give a file path in it, such as {given / 'results.json'}")
     problem = writable_dir_problem(folder)  # "FOLDER is a file, ..." / "FOLDER cannot be written: REASON"
     if problem is not None:
         fail(f"{option} {problem}" if given is None else f"{option} {given}: its folder {problem}")

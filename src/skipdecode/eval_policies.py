@@ -17,7 +17,7 @@ __all__ = ["PolicySpec", "resolve_policy", "policy_summary", "is_single_spec", "
 
 #: A policy request: ``"full"``, ``"checkpoint"`` (the model's own policy), a target speedup
 #: (float >= 1, turned into a policy by ``SkipModel.policy_for``), a policy dict
-#: (``policy_from_dict``), a policy object, or a ``(name, spec)`` pair naming any of these.
+#: (``policy_from_dict``; ``num_layers`` may be left out: the model's), a policy object, or a ``(name, spec)`` pair naming any of these.
 PolicySpec = Union[str, float, int, dict, SkipPolicy, tuple]
 
 
@@ -82,8 +82,8 @@ def resolve_policy(model, spec: PolicySpec, *, horizon: int | None = None) -> tu
     if isinstance(spec, (int, float)):
         policy = model.policy_for(speedup=float(spec), horizon=horizon)
         return ("full" if isinstance(policy, FullPolicy) else f"{float(spec):g}x"), policy
-    if isinstance(spec, dict):
-        policy = policy_from_dict(spec)
+    if isinstance(spec, dict):  # num_layers may be left out: the model's
+        policy = policy_from_dict({"num_layers": model.num_layers, **spec} if spec.get("type") else spec)
     else:
         policy = spec
     if policy is None or not isinstance(policy, SkipPolicy):

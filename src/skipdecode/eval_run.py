@@ -170,15 +170,20 @@ def _timed(row: EvalRow, generate: Callable[..., Any], *args: Any, **kwargs: Any
     row.add(res, time.perf_counter() - t0)
 
 
-def _warm_up(model, rows: list[EvalRow], plans: list[Any], settings: RunSettings) -> None:
-    """Untimed: first calls pay one-off kernel and allocator set-up."""
+def _warm_up(model, rows: list[EvalRow], plans: list[Any], inflight: list[bool], settings: RunSettings) -> None:
+    """Untimed: first calls pay one-off kernel and allocator set-up, each row on the path its timed
+    calls take (``inflight[i]``: the in-flight engine, whose first call otherwise runs cold and
+    slows only the first timed row)."""
     from .calm import calm_generate
 
     warm = settings.gen_kwargs(min(8, settings.max_new_tokens))
     first = [it.prompt for it in settings.batches[0]]
-    for row, plan in zip(rows, plans):
+    for row, plan, engine in zip(rows, plans, inflight):
         if row.kind == "calm":
             calm_generate(model, first[0], threshold=plan.threshold, min_layers=plan.min_layers, **warm)
+        elif engine:
+            model.generate(first, policy=plan, max_batch_size=settings.batch_size, cohort_size=settings.cohort_size,
+                           prefix_cache=settings.prefix_cache, **warm)
         else:
             model.generate(first[: row.batch_size], policy=plan, **warm)
 
@@ -207,11 +212,11 @@ def _run_model(model, label: str, rows: list[EvalRow], plans: list[Any], setting
                progress: Progress) -> None:
     """Every generation of one model's rows (warm-up first), then their derived figures
     (:func:`~skipdecode.eval_report.finish_rows`) and outputs back in item order."""
-    if settings.warmup:
-        _warm_up(model, rows, plans, settings)
-    progress.describe(label)
     streamed = [r.kind != "calm" and not (r.batch_size == 1 and settings.batch_size != 1) for r in rows]
     inflight = [settings.inflight and flag for flag in streamed]
+    if settings.warmup:
+        _warm_up(model, rows, plans, inflight, settings)
+    progress.describe(label)
     if settings.inflight:  # each such row: every item through one in-flight engine
         all_prompts = [it.prompt for batch in settings.batches for it in batch]
         for row, plan, flag in zip(rows, plans, inflight):

@@ -51,16 +51,21 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     would give it (:func:`apply_umask`).
 
     Raises:
-        OSError: the folder cannot be written.
+        OSError: the folder cannot be written, or ``path`` is a folder (IsADirectoryError; the
+            temp file is removed).
         TypeError: ``data`` holds an object JSON cannot represent.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    apply_umask(tmp)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        apply_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. ``path`` is a folder: no temp file is left beside it
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class SkipModel:

@@ -13,6 +13,8 @@ every policy here (tested with hypothesis):
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import operator
 from dataclasses import asdict, dataclass, replace
@@ -324,20 +326,29 @@ def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:
     """Rebuild a policy from :meth:`to_dict` output (e.g. a checkpoint's ``skipdecode.json``).
 
     Raises:
-        ValueError: unknown ``type`` (lists the known ones) or invalid fields.
+        ValueError: unknown ``type`` (lists the known ones), or fields missing or unknown for the
+            type (names them and lists the type's fields).
     """
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"policy must be a dict with a 'type' key, got {data!r}")
-    fields = {k: v for k, v in data.items() if k != "type"}
+    kinds = {"full": FullPolicy, "linear_decay": LinearDecayPolicy}
     kind = data["type"]
-    try:
-        if kind == "full":
-            return FullPolicy(**fields)
-        if kind == "linear_decay":
-            return LinearDecayPolicy(**fields)
-    except TypeError as err:  # unexpected / missing keys
-        raise ValueError(f"policy of type {kind!r} has invalid fields: {err}") from None
-    raise ValueError(f"policy type must be one of 'full', 'linear_decay'; got {kind!r}")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ValueError(f"policy type must be one of 'full', 'linear_decay'; got {kind!r}")
+    cls = kinds[kind]
+    fields = {k: v for k, v in data.items() if k != "type"}
+    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    unknown = [k for k in fields if k not in known]
+    missing = [k for k in required if k not in fields]
+    if unknown or missing:
+        what = "; ".join(part for part in (
+            f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else "",
+            f"missing {', '.join(missing)}" if missing else "") if part)
+        raise ValueError(f"policy of type {kind!r}: {what} (its fields: {', '.join(known)}; "
+                         f"required: {', '.join(required)})")
+    return cls(**fields)
 
 
 def theoretical_speedup(num_layers: int, layers_run: list[int] | tuple[int, ...]) -> float:
