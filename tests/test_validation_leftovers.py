@@ -214,6 +214,7 @@ def test_cli_sampling_options_name_the_option_and_its_range(saved, extra, words,
     # options that would be silently ignored
     (["--val-fraction", "0", "--eval-every", "5"], ["--eval-every (5) needs a validation set: --val-fraction is 0"]),
     (["--keep-checkpoints", "3"], ["--keep-checkpoints (3) needs --checkpoint-every"]),
+    (["--lora-alpha", "8"], ["--lora-alpha needs lora_r >= 1, i.e. --lora-r R"]),  # the option that is missing
     (["--val-fraction", "0", "--eval-every", "-1"], ["--eval-every must be"]),  # the range first
 ])
 def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, extra, words, monkeypatch):

@@ -116,8 +116,8 @@ def generate(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (texts, finish reasons, statistics) instead of streaming."),
     max_batch_size: int = typer.Option(32, "--max-batch-size", help="Several prompts: most rows decoding at once (in-flight batching; a finished row's slot goes to the next prompt)."),
-    cohort_size: int = typer.Option(1, "--cohort-size", help="Several prompts: " + COHORT_HELP.format(what="prompts")),
-    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Several prompts: " + PREFIX_CACHE_HELP),
+    cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="prompts") + " Applies to several prompts."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " Applies to several prompts."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Also print each token's log-probability (under the layers that ran for it) and this many alternatives (0-20)."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
 ) -> None:
@@ -302,8 +302,8 @@ def eval_command(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     sort_by_length: bool = typer.Option(False, "--sort-by-length", help="Batch prompts of similar length together (less padding; outputs stay in item order)."),
     inflight: bool = typer.Option(True, "--inflight/--static", help="In-flight batching (a finished item's slot goes to the next at once; --batch-size rows at most) or static batches that wait for their longest item."),
-    cohort_size: int = typer.Option(1, "--cohort-size", help="With --inflight: " + COHORT_HELP.format(what="items")),
-    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="With --inflight: " + PREFIX_CACHE_HELP),
+    cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="items") + " Applies with --inflight."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " Applies with --inflight."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=EVAL_NO_ADAPTER_HELP),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values (as given, the same folder spelled otherwise, or its label in the table, e.g. NAME#2 for a second copy), e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:

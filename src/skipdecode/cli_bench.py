@@ -171,8 +171,10 @@ def _report_float_bench(ctx, result: dict, output: Path, plot: bool, profile: bo
     wall_target = (f"wall/theoretical >= {t['wall_over_theoretical_min']} at batch "
                    f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
                    else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup)")
+    hf = t["full_not_slower_than_hf"]
     err.print(
-        f"[dim]targets: ours-full no slower than HF: {t['full_not_slower_than_hf']} | {wall_target} | results: {escape(str(path))}[/]",
+        f"[dim]targets: ours-full no slower than HF: {'n/a (--no-hf)' if hf is None else hf} | {wall_target} | "
+        f"results: {escape(str(path))}[/]",
         highlight=False,
     )
     print(dumps(result), flush=True)

@@ -78,7 +78,7 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads for the model (default: torch's, one per core); "
                                           "fewer than the cores leaves one for the HTTP layer and tokenizer."),
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models) with /health and Prometheus /metrics."""
     check_quantize_option(quantize)
     set_threads(threads)
     if not 0 < port < 65536:

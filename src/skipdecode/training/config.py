@@ -410,7 +410,7 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     if not _is_num(c.lora_dropout) or not 0 <= c.lora_dropout < 1:
         _fail("lora_dropout", f"must be in [0, 1), got {c.lora_dropout!r}")
     if c.lora_r == 0 and (c.lora_alpha is not None or c.lora_dropout):
-        _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1")
+        _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1, i.e. --lora-r R")
     if c.base_prefill and c.lora_r == 0:
         _fail("base_prefill", "needs lora_r >= 1, i.e. --lora-r R (the base model is the LoRA adapter switched off)")
     if c.base_model is not None and (not isinstance(c.base_model, str) or not c.base_model):
