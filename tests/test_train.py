@@ -271,6 +271,18 @@ def test_train_learns_the_schedule_and_writes_a_loadable_checkpoint(tmp_path):
     assert info.value.field == "out_dir"
 
 
+def test_task_of_an_e2e_csv_is_recorded_once(tmp_path):
+    """Without ``task``, an E2E CSV is trained as e2e: the run record's ``data.task`` and the
+    checkpoint's ``skipdecode.json`` ``task`` say so alike (the record said null)."""
+    csv = tmp_path / "dev.csv"
+    csv.write_text("mr,ref\n" + "".join(f'"{mr}","{ref}"\n' for mr, ref in zip(MRS, REFS)))
+    result = train(tiny_skipmodel(), str(csv), cfg(tmp_path / "run", max_steps=1))
+    meta = json.loads((Path(result.final_dir) / SKIP_CONFIG_NAME).read_text())
+    assert result.data["task"] == meta["task"] == "e2e"
+    result = train(tiny_skipmodel(), examples(), cfg(tmp_path / "run2", max_steps=1))  # pairs: no task
+    assert result.data["task"] is None
+
+
 def per_token_ce(sk, items, policy, *, with_prompt: bool = False) -> list[torch.Tensor]:
     """Reference cross-entropies, one row at a time (masked reference path, no sparse
     teacher forcing, no grad): for each item a (S - P,) tensor over its response tokens (position

@@ -360,10 +360,18 @@ class _Run:
         log.info("step %d: val loss %s", step, by)
 
     # ---- records and saving -------------------------------------------------------------
+    @property
+    def task(self) -> str | None:
+        """The task of the data: the config's, else "e2e" for an E2E CSV file, else None (one
+        value for the run record and the checkpoint's ``skipdecode.json``)."""
+        if self.config.task:
+            return self.config.task
+        return "e2e" if str(self.rd.info.get("path", "")).lower().endswith(".csv") else None
+
     def data_record(self, step: int) -> dict[str, Any]:
         """What the run read and saw up to ``step``."""
         rd = self.rd
-        return {**rd.info, "task": self.config.task, "n_examples": rd.n_examples, "n_train": self.n_train,
+        return {**rd.info, "task": self.task, "n_examples": rd.n_examples, "n_train": self.n_train,
                 "n_train_dropped_too_long": rd.n_dropped, "n_val": len(self.val_items),
                 "n_val_dropped_too_long": rd.n_val_dropped, "examples_seen": step * self.step_examples,
                 "epochs_seen": step * self.step_examples / self.n_train, "order_seed": self.config.seed,
@@ -373,7 +381,7 @@ class _Run:
         """The run's part of the saved ``skipdecode.json``."""
         c = self.config
         return {
-            "task": c.task or ("e2e" if str(self.rd.info.get("path", "")).lower().endswith(".csv") else None),
+            "task": self.task,
             "response_separator": None if self.chat else c.response_separator,
             "horizon": self.horizon,
             "speedups": [float(s) for s in c.speedups] if c.speedups else None,
