@@ -17,7 +17,8 @@ __all__ = ["PolicySpec", "resolve_policy", "policy_summary", "is_single_spec", "
 
 #: A policy request: ``"full"``, ``"checkpoint"`` (the model's own policy), a target speedup
 #: (float >= 1, turned into a policy by ``SkipModel.policy_for``), a policy dict
-#: (``policy_from_dict``; ``num_layers`` may be left out: the model's), a policy object, or a ``(name, spec)`` pair naming any of these.
+#: (``policy_from_dict``; ``num_layers`` may be left out: the model's), a policy object, or a
+#: ``(name, spec)`` pair naming any of these.
 PolicySpec = Union[str, float, int, dict, SkipPolicy, tuple]
 
 

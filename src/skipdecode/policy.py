@@ -14,7 +14,6 @@ every policy here (tested with hypothesis):
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import operator
 from dataclasses import asdict, dataclass, replace
