@@ -117,7 +117,7 @@ def test_inflight_eval_same_generations_and_row_step_speedup(sk, items_file):
 def test_warm_up_takes_the_path_of_the_timed_calls(sk, items_file, monkeypatch):
     """The untimed warm-up runs each row as its timed calls will: in flight through the engine
     (max_batch_size, cohort_size, prefix_cache as the timed call), else a static batch; a warm-up
-    on the static path only left the engine's first timed row cold (its speedups inflated)."""
+    on the static path only left the engine's first timed row to run it cold."""
     items = load_eval_items(items_file)
     calls = []
     real = SkipModel.generate
@@ -182,6 +182,10 @@ def test_report_files_json_markdown_png(sk, items_file, tmp_path):
                       command="skipdecode eval --test", data=str(items_file))
     paths = report.save(tmp_path / "out", "run")
     assert {k: p.name for k, p in paths.items()} == {"json": "run.json", "md": "run.md", "png": "run.png"}
+    for bad in ("../run", "sub/run", ".."):  # would write outside the folder
+        with pytest.raises(ValueError, match="name must be a file name without a folder"):
+            report.save(tmp_path / "out", bad)
+    assert not (tmp_path / "run.json").exists() and not (tmp_path / "out" / "sub").exists()
     data = json.loads(paths["json"].read_text())
     assert set(data) == {"meta", "rows", "items"}
     meta = data["meta"]

@@ -310,6 +310,7 @@ def eval_command(
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
     from .data import DataError
     from .evaluate import detect_task, evaluate
+    from .paths import is_file_name
 
     check_quantize_option(quantize)
     check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layers, metrics)
@@ -317,7 +318,7 @@ def eval_command(
     data, items = eval_items(data, task, skip_bad_rows, offset, limit)
     eval_task = task or detect_task(data)
     check_output_folder(out_dir, "--out")
-    if not name.strip() or name in (".", "..") or any(sep in name for sep in ("/", "\\")):
+    if not is_file_name(name):
         fail(f"--name must be a file name without a folder (the files go to --out), got {name!r}")
     entries = _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter)
     specs = [*speedups, *policies] or None

@@ -20,6 +20,7 @@ from .eval_output import plot_report, report_markdown
 from .eval_tasks import TASKS
 from .jsonio import dumps, json_safe
 from .metrics import score_all
+from .paths import is_file_name
 
 __all__ = ["EvalRow", "Report", "finish_rows"]
 
@@ -355,7 +356,10 @@ class Report:
         Raises:
             OSError: the folder cannot be created or written.
             KeyError: a ``frontier`` row is not in the report.
+            ValueError: ``name`` is not a plain file name (it would write outside ``out_dir``).
         """
+        if not is_file_name(name):
+            raise ValueError(f"name must be a file name without a folder, got {name!r}")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}

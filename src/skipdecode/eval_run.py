@@ -58,6 +58,10 @@ class RunSettings:
         return dict(max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                     stop=self.stop, chat=self.chat)
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that send a generation call through the in-flight engine."""
+        return dict(max_batch_size=self.batch_size, cohort_size=self.cohort_size, prefix_cache=self.prefix_cache)
+
 
 class Progress:
     """Progress over batches: a tqdm bar on stderr (``progress=True``), a callable called with the
@@ -182,8 +186,7 @@ def _warm_up(model, rows: list[EvalRow], plans: list[Any], inflight: list[bool],
         if row.kind == "calm":
             calm_generate(model, first[0], threshold=plan.threshold, min_layers=plan.min_layers, **warm)
         elif engine:
-            model.generate(first, policy=plan, max_batch_size=settings.batch_size, cohort_size=settings.cohort_size,
-                           prefix_cache=settings.prefix_cache, **warm)
+            model.generate(first, policy=plan, **settings.engine_kwargs(), **warm)
         else:
             model.generate(first[: row.batch_size], policy=plan, **warm)
 
@@ -221,8 +224,7 @@ def _run_model(model, label: str, rows: list[EvalRow], plans: list[Any], setting
         all_prompts = [it.prompt for batch in settings.batches for it in batch]
         for row, plan, flag in zip(rows, plans, inflight):
             if flag:
-                _timed(row, model.generate, all_prompts, policy=plan, max_batch_size=settings.batch_size,
-                       cohort_size=settings.cohort_size, prefix_cache=settings.prefix_cache,
+                _timed(row, model.generate, all_prompts, policy=plan, **settings.engine_kwargs(),
                        **settings.gen_kwargs())
     for batch in settings.batches:
         _run_batch(model, [it.prompt for it in batch], rows, plans, inflight, settings)

@@ -57,6 +57,13 @@ def portable_record(obj: Any) -> Any:
     return obj
 
 
+def is_file_name(name: str) -> bool:
+    """True when ``name`` is a plain file name: not empty, not ``.`` or ``..``, no folder part
+    (``/`` or ``\\``), so that ``folder / name`` stays inside ``folder``. Never raises."""
+    return isinstance(name, str) and bool(name.strip()) and name not in (".", "..") and not any(
+        sep in name for sep in ("/", "\\"))
+
+
 def writable_dir_problem(folder: str | os.PathLike) -> str | None:
     """Why ``folder`` cannot receive files, or None when it can (it is created if missing).
 
