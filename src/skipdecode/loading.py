@@ -314,14 +314,49 @@ def _read_folder_config(path: Path) -> dict[str, Any]:
 
 
 def _from_hub(model: str | os.PathLike, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Model and tokenizer of Hugging Face model id ``model`` (LoadError when the hub cannot provide it)."""
+    """Model and tokenizer of Hugging Face model id ``model``: from the local Hugging Face cache
+    without the network, else downloaded once :func:`_hub_problem` finds the hub has it.
+
+    Raises:
+        LoadError: not cached and the hub is unreachable, ``HF_HUB_OFFLINE`` is set, the hub has
+            no such model, or the download fails (each named), at once rather than after
+            huggingface_hub's retries (about 70 s on a machine without the hub).
+    """
+    from huggingface_hub import constants
+
+    name = str(model)
     try:
-        return _from_pretrained(str(model), dtype)
+        return _from_pretrained(name, dtype, local_files_only=True)
+    except OSError:
+        pass  # not (completely) in the cache
+    where = f"could not load {name!r}: not a local path and not in the Hugging Face cache"
+    if constants.HF_HUB_OFFLINE:
+        raise LoadError(f"{where}, and HF_HUB_OFFLINE is set") from None
+    problem = _hub_problem(name)
+    if problem:
+        raise LoadError(f"{where}, and {problem}") from None
+    try:
+        return _from_pretrained(name, dtype)
     except OSError as err:
-        raise LoadError(
-            f"could not load {model!r}: not a local path, and the Hugging Face hub could not "
-            f"provide it ({str(err).splitlines()[0]}); offline, set HF_HUB_OFFLINE=1 to fail fast"
-        ) from None
+        raise LoadError(f"{where}, and the download failed ({str(err).splitlines()[0]})") from None
+
+
+def _hub_problem(name: str) -> str | None:
+    """Why the Hugging Face hub cannot provide model ``name`` (one metadata request,
+    ``HfApi.model_info``, 10 s at most), or None when it can (gated models included: the
+    download then uses the user's token)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=10)
+    except GatedRepoError:
+        return None
+    except RepositoryNotFoundError:
+        return "the hub has no model of that name (or it is private: log in with `hf auth login`)"
+    except Exception as err:  # noqa: BLE001 - network errors vary by HTTP backend
+        return f"the Hugging Face hub cannot be reached ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    return None
 
 
 def _skip_model(hf_model: Any, tokenizer: Any, model: str | os.PathLike | None, policy: Any, chat: bool | None,
@@ -425,9 +460,9 @@ def _check_weight_files(path: Path) -> None:
                             "incomplete") from None
 
 
-def _from_pretrained(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+def _from_pretrained(name: str, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kwargs)
     return hf_model, tokenizer
 
 
