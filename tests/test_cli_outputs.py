@@ -91,13 +91,13 @@ def test_too_many_warmup_layers_names_warmup_layers_not_speedup(saved):
     from skipdecode.policy import for_speedup
     from skipdecode.protocol import _named
 
-    with pytest.raises(ValueError, match=r"^warmup_layers must be < num_layers \(4\)") as err:
+    with pytest.raises(ValueError, match=r"^warmup_layers must be < the model's 4 layers") as err:
         for_speedup(NUM_LAYERS, 2.0, 8, warmup_layers=7)
     assert _named(err.value, ("speedup", "warmup_layers"), "speedup").param == "warmup_layers"  # server's param
     res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", "--speedup", "2",
                       "--warmup-layers", "7"])
     assert res.exit_code == 2, res.output
-    assert "--warmup-layersmustbe<num_layers" in text and "speedupmustbe" not in text  # the CLI's option name
+    assert "--warmup-layersmustbe<themodel's4layers" in text and "speedupmustbe" not in text  # the CLI's option name
 
 
 @pytest.mark.parametrize("extra,want", [
@@ -172,8 +172,8 @@ def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkey
     (["--metric", "foo"], "error: --metric must be one of bleu, chrf, nist, rouge1, rouge2, rougeL, got 'foo'", False),
     (["--calm-threshold", "0.5", "--calm-min-layers", "99"],
      f"error: --calm-min-layers must be <= the model's {NUM_LAYERS} layers, got 99", True),
-    (["--speedup", "100"], "error: --speedup must be <= 2.00 for num_layers=4", True),
-    (["--policy", "100"], "error: --policy must be <= 2.00 for num_layers=4", True),
+    (["--speedup", "100"], "error: --speedup must be <= 2.00 for a model of 4 layers with warmup_layers=1", True),  # eval has no --warmup-layers
+    (["--policy", "100"], "error: --policy must be <= 2.00 for a model of 4 layers with warmup_layers=1", True),
     (["--policy", '{"type": "linear_decay", "num_layers": 4, "max_layers": 9, "min_layers": 2}'],
      "error: --policy: max_layers must be in [1, 4], got 9", True),
     (["--policy", '{"type": "linear_decay", "num_layers": 30, "max_layers": 9, "min_layers": 2}'],
@@ -301,3 +301,20 @@ def test_write_json_atomic_leaves_no_temp_file_when_it_fails(tmp_path):
     with pytest.raises(IsADirectoryError):
         write_json_atomic(folder, {"a": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_policy_errors_name_every_option_they_mention(saved):
+    """The library's message names two fields; the CLI writes both as options."""
+    res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", "--max-layers", "3",
+                      "--min-layers", "2", "--warmup-layers", "2"])
+    _one_line_exit_2(res, text, "error: --warmup-layers must be < --min-layers (2) so that the top layer always runs, got 2")
+    assert "min_layers" not in text and "warmup_layers" not in text
+
+
+def test_as_option_error_replaces_whole_field_names_only():
+    from skipdecode.cli_common import as_option_error
+
+    msg = ValueError("calm_min_layers and min_layers: min_layers must be >= 1, got 0")
+    assert as_option_error(msg, {"min_layers": "--min-layers"}) == (
+        "calm_min_layers and --min-layers: --min-layers must be >= 1, got 0")
+    assert as_option_error(msg, {}) == str(msg)

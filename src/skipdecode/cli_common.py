@@ -4,6 +4,7 @@ here and in the command modules only; the library never prints."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -61,16 +62,7 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
             )
         return model.policy
     except ValueError as e:
-        fail(_as_option(str(e), ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")))
-
-
-def _as_option(message: str, fields: tuple[str, ...]) -> str:
-    """``message`` with a leading library field name written as its CLI option
-    (``speedup must ...`` -> ``--speedup must ...``, ``max_layers`` -> ``--max-layers``)."""
-    head, _, rest = message.partition(" ")
-    if head in fields:
-        return f"--{head.replace('_', '-')} {rest}"
-    return message
+        fail(as_option_error(e, POLICY_OPTION_NAMES))
 
 
 def runs_every_layer(policy) -> bool:
@@ -101,16 +93,21 @@ OPTION_NAMES = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--
                 "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty"}
 
 
+#: Python names of the policy fields -> their CLI options.
+POLICY_OPTION_NAMES = {name: "--" + name.replace("_", "-") for name in
+                       ("speedup", "max_layers", "min_layers", "warmup_layers", "horizon", "full_depth_steps")}
+
+
 def as_option_error(error: Exception, options: dict = OPTION_NAMES) -> str:
-    """The message of a library ``error`` whose first word is a field name (``"top_p must be in
-    [0, 1], got 2.0"``) with that word replaced by its CLI option (``"--top-p must be ..."``); other
-    messages unchanged."""
-    message = str(error)
-    head, sep, rest = message.partition(" ")
-    field = head.rstrip(":")
-    if field in options:
-        return options[field] + head[len(field):] + sep + rest
-    return message
+    """The message of a library ``error`` with each field name in ``options`` (whole words)
+    written as its CLI option: ``"top_p must be in [0, 1], got 2.0"`` -> ``"--top-p must be
+    ..."``, ``"warmup_layers must be < min_layers (6)"`` -> ``"--warmup-layers must be <
+    --min-layers (6)"``; other words unchanged."""
+    if not options:
+        return str(error)
+    fields = sorted(options, key=len, reverse=True)  # the longest name first where one holds another
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, fields)) + r")\b")
+    return pattern.sub(lambda m: options[m.group(1)], str(error))
 
 
 def sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty=1.0, frequency_penalty=0.0,

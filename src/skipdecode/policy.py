@@ -227,13 +227,13 @@ def for_speedup(
         return FullPolicy(num_layers)
     _check_int("warmup_layers", warmup_layers, 0)
     if warmup_layers >= num_layers:  # the field at fault, not the speedup it would constrain
-        raise ValueError(f"warmup_layers must be < num_layers ({num_layers}) to leave a layer to skip, "
+        raise ValueError(f"warmup_layers must be < the model's {num_layers} layers to leave a layer to skip, "
                          f"got {warmup_layers}")
     mean = num_layers / speedup
     floor = warmup_layers + 1
     if mean < floor:
         raise ValueError(
-            f"speedup must be <= {num_layers / floor:.2f} for num_layers={num_layers} and "
+            f"speedup must be <= {num_layers / floor:.2f} for a model of {num_layers} layers with "
             f"warmup_layers={warmup_layers} (at least {floor} layers per step), got {speedup}"
         )
     e_max = min(num_layers, math.floor(mean * (1 + spread) + 0.5))
