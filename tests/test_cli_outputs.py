@@ -318,3 +318,10 @@ def test_as_option_error_replaces_whole_field_names_only():
     assert as_option_error(msg, {"min_layers": "--min-layers"}) == (
         "calm_min_layers and --min-layers: --min-layers must be >= 1, got 0")
     assert as_option_error(msg, {}) == str(msg)
+
+
+def test_a_damaged_gguf_model_is_one_error_line(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file" * 100)
+    res, text = _run(["generate", "hello", "--model", str(fake)])
+    _one_line_exit_2(res, text, f"error: cannot read GGUF file {fake}:")

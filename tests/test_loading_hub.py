@@ -91,3 +91,35 @@ def test_load_routes_a_model_id_through_the_hub_path(hub):
     hub["info"] = ConnectionError("no network")
     with pytest.raises(LoadError, match="cannot be reached"):
         loading.load("org/model")
+
+
+def test_an_invalid_model_id_is_named_without_a_hub_request(hub):
+    with pytest.raises(LoadError, match=r"'bad name' is neither an existing path nor a valid Hugging Face model id"):
+        loading.load("bad name")
+    assert hub["loads"] == [] and hub["infos"] == []
+
+
+def test_an_empty_model_name_is_refused(hub):
+    with pytest.raises(LoadError, match="got an empty name"):
+        loading.load("  ")
+    assert hub["loads"] == []
+
+
+def test_a_file_that_is_not_gguf_is_a_load_error(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(LoadError, match=r"cannot read GGUF file .*fake\.gguf: .*magic"):
+        loading.load(fake)
+    folder = tmp_path / "dir.gguf"
+    folder.mkdir()
+    with pytest.raises(LoadError, match=r"dir\.gguf is a folder, not a GGUF file"):
+        loading.load(folder)
+
+
+def test_a_truncated_gguf_file_is_a_load_error(tmp_path):
+    """The first 2 MB of the embedded GGUF file: the header parses, the tensors do not."""
+    head = tmp_path / "cut.gguf"
+    with open(loading.embedded_gguf_path(), "rb") as f:
+        head.write_bytes(f.read(2 << 20))
+    with pytest.raises(LoadError, match=r"cannot read GGUF file .*cut\.gguf: "):
+        loading.load(head)

@@ -61,6 +61,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SKIPDECODE_CACHE", Path.home() / ".cache" / "skipdecode"))
 
 
+def _checked_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """:func:`_plain_from_gguf` of a user's file; LoadError (naming the file and the reader's
+    reason) when it is not a GGUF file or is truncated or damaged."""
+    try:
+        return _plain_from_gguf(path, dtype)
+    except LoadError:
+        raise
+    except (ValueError, OSError, KeyError, IndexError, EOFError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise LoadError(f"cannot read GGUF file {path}: {reason}") from None
+
+
 def _plain_from_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     """Load a GGUF file and rebuild it as a plain (unquantized) model (PITFALLS 12)."""
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -267,11 +279,15 @@ def _load_hf_model(model: str | os.PathLike | None, dtype: torch.dtype, unmerged
         hf_model, tokenizer, gguf = _load_default(dtype)
         return hf_model, tokenizer, {}, f"{DEFAULT_MODEL} ({gguf})"
     skip_config: dict[str, Any] = {}
+    if not str(model).strip():
+        raise LoadError("model must be a folder, a .gguf file or a Hugging Face model id, got an empty name")
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.exists():
             raise LoadError(f"GGUF file not found: {path}")
-        hf_model, tokenizer = _plain_from_gguf(path, dtype)
+        if not path.is_file():
+            raise LoadError(f"{path} is a folder, not a GGUF file")
+        hf_model, tokenizer = _checked_gguf(path, dtype)
     elif path.exists():
         if not path.is_dir():
             raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
@@ -318,13 +334,21 @@ def _from_hub(model: str | os.PathLike, dtype: torch.dtype) -> tuple[Any, Any]:
     without the network, else downloaded once :func:`_hub_problem` finds the hub has it.
 
     Raises:
-        LoadError: not cached and the hub is unreachable, ``HF_HUB_OFFLINE`` is set, the hub has
-            no such model, or the download fails (each named), at once rather than after
+        LoadError: not a valid model id, or not cached and the hub is unreachable,
+            ``HF_HUB_OFFLINE`` is set, the hub has no such model, or the download fails (each named), at once rather than after
             huggingface_hub's retries (about 70 s on a machine without the hub).
     """
     from huggingface_hub import constants
 
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     name = str(model)
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise LoadError(f"{name!r} is neither an existing path nor a valid Hugging Face model id "
+                        f"({str(err).splitlines()[0]})") from None
     try:
         return _from_pretrained(name, dtype, local_files_only=True)
     except OSError:
