@@ -175,7 +175,7 @@ def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkey
     (["--speedup", "100"], "error: --speedup must be <= 2.00 for a model of 4 layers with warmup_layers=1", True),  # eval has no --warmup-layers
     (["--policy", "100"], "error: --policy must be <= 2.00 for a model of 4 layers with warmup_layers=1", True),
     (["--policy", '{"type": "linear_decay", "num_layers": 4, "max_layers": 9, "min_layers": 2}'],
-     "error: --policy: max_layers must be in [1, 4], got 9", True),
+     "error: --policy: max_layers must be in [1, 4] (at most the model's layers), got 9", True),
     (["--policy", '{"type": "linear_decay", "num_layers": 30, "max_layers": 9, "min_layers": 2}'],
      "error: --policy: policy.num_layers (30) must equal the model's num_layers (4)", True),
     (["--policy", "warp"], "error: --policy: unknown policy 'warp'", True),
@@ -325,3 +325,27 @@ def test_a_damaged_gguf_model_is_one_error_line(tmp_path):
     fake.write_bytes(b"not a gguf file" * 100)
     res, text = _run(["generate", "hello", "--model", str(fake)])
     _one_line_exit_2(res, text, f"error: cannot read GGUF file {fake}:")
+
+
+def test_a_policy_bound_says_where_it_comes_from(saved):
+    res, text = _run(["generate", "--model", str(saved), "hello", "-n", "2", "--max-layers", "3", "--min-layers", "4"])
+    _one_line_exit_2(res, text, "error: --min-layers must be in [1, 3] (at most --max-layers), got 4")
+
+
+def test_a_one_token_answer_prints_no_nan(saved):
+    """One new token comes from the prefill: no decode step ran, so the step figures are '-'."""
+    res, _ = _run(["generate", "--model", str(saved), "hello", "-n", "1"])
+    assert res.exit_code == 0, res.output
+    assert "nan" not in res.output.lower() and "step - ms" in res.output
+
+
+def test_too_many_new_tokens_names_the_option(saved):
+    res, text = _run(["generate", "--model", str(saved), "hello", "-n", "100000"])
+    _one_line_exit_2(res, text, "--max-new-tokens 100000 needs", "--max-new-tokens <=")
+    assert "max_new_tokens" not in text
+
+
+def test_a_negative_warmup_is_refused_before_the_model_loads(saved, monkeypatch):
+    _no_model_load(monkeypatch)
+    res, text = _run(["generate", "--model", str(saved), "hello", "--warmup-layers", "-1"])
+    _one_line_exit_2(res, text, "error: --warmup-layers must be >= 0, got -1")

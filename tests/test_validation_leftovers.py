@@ -214,7 +214,8 @@ def test_cli_sampling_options_name_the_option_and_its_range(saved, extra, words,
     # options that would be silently ignored
     (["--val-fraction", "0", "--eval-every", "5"], ["--eval-every (5) needs a validation set: --val-fraction is 0"]),
     (["--keep-checkpoints", "3"], ["--keep-checkpoints (3) needs --checkpoint-every"]),
-    (["--lora-alpha", "8"], ["--lora-alpha needs lora_r >= 1, i.e. --lora-r R"]),  # the option that is missing
+    (["--lora-alpha", "8"], ["--lora-alpha needs --lora-r R (R >= 1)"]),  # the option that is missing
+    (["--init-adapter", "."], ["--init-adapter needs --lora-r R (R >= 1) (it starts a LoRA adapter)"]),
     (["--val-fraction", "0", "--eval-every", "-1"], ["--eval-every must be"]),  # the range first
 ])
 def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, extra, words, monkeypatch):
@@ -224,6 +225,14 @@ def test_cli_train_fractions_and_seed_name_the_option_and_its_range(tmp_path, ex
     res, text = cli(["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run"), "--speedup", "2",
                      *extra])
     assert_one_line_exit_2(res, text, *words)
+
+
+def test_cli_train_without_a_schedule_names_the_options(tmp_path, monkeypatch):
+    no_model_load(monkeypatch)
+    res, text = cli(["train", "--data", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "run")])
+    assert_one_line_exit_2(res, text, "--speedup is required: give --speedup, --speedups, or "
+                                      "--max-layers/--min-layers (--speedup 1 for full depth)")
+    assert "max_layers" not in text
 
 
 # -------------------------------------------------------------------- 4. one seed range

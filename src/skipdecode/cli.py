@@ -40,6 +40,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     NO_ADAPTER_HELP,
     PREFIX_CACHE_HELP,
     QUANTIZE_HELP,
+    as_option_error,
     check_cohort_option,
     check_policy_options,
     check_output_folder,
@@ -131,7 +132,7 @@ def generate(
     if max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_cohort_option(cohort_size, max_batch_size, "--max-batch-size")
-    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps, warmup_layers)
     try:
         check_logprobs(logprobs, "--logprobs")
     except ValueError as e:
@@ -150,8 +151,8 @@ def generate(
             max_batch_size=None if single else max_batch_size, cohort_size=1 if single else cohort_size,
             prefix_cache=prefix_cache, logprobs=logprobs,
         )
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # e.g. the context check's "max_new_tokens <= N fits"
+        fail(as_option_error(e, {"max_new_tokens": "--max-new-tokens"}))
     finally:
         if live is not None:
             live.stop()
@@ -221,15 +222,22 @@ def _print_generation(result, single: bool, as_json: bool, tokenizer) -> None:
             out.print(Text.assemble((f"[{i}] ", "bold"), f"({result.finish_reasons[i]}) {text}"), highlight=False)
     if result.logprobs is not None:
         print_logprobs(result.logprobs, tokenizer)
-    s = result.stats()
-    err.print(
-        f"\n[dim]batch {s['batch_size']} | prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached) | "
-        f"new {s['new_tokens']} tok | "
-        f"TTFT {s['prefill_seconds'] * 1000:.0f} ms | step {s['step_seconds'] * 1000:.1f} ms | "
-        f"{s['tokens_per_second']:.1f} tok/s | mean active layers {s['mean_active_layers']:.2f}/{s['num_layers']} | "
-        f"theoretical speedup {s['theoretical_speedup']:.2f}x | policy {escape(str(s['policy']))}[/]",
-        highlight=False,
-    )
+    err.print(f"\n[dim]{_stats_line(result.stats())}[/]", highlight=False)
+
+
+def _stats_line(s: dict) -> str:
+    """The one-line summary of :meth:`GenerationResult.stats` ``s``; the decode-step figures
+    read ``-`` when no decode step ran (a one-token answer: the prefill gave it)."""
+    import math
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    step_ms = None if s["step_seconds"] is None else s["step_seconds"] * 1000
+    return (f"batch {s['batch_size']} | prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached) | "
+            f"new {s['new_tokens']} tok | TTFT {s['prefill_seconds'] * 1000:.0f} ms | step {fmt(step_ms, '.1f')} ms | "
+            f"{s['tokens_per_second']:.1f} tok/s | mean active layers {fmt(s['mean_active_layers'], '.2f')}/{s['num_layers']} | "
+            f"theoretical speedup {fmt(s['theoretical_speedup'], '.2f')}x | policy {escape(str(s['policy']))}")
 
 
 @app.command(short_help="Summarise the model: layers, default policy, --speedup schedules, skip adapter.")
@@ -508,13 +516,17 @@ def train(
 def _with_options(reason: str, option) -> str:
     """A training error's ``reason`` with the schedule field it compares against written as its
     option (``option(field)``): ``must be <= max_layers (10)`` as ``must be <= --max-layers (10)``,
-    ``cannot be combined with speedup`` as ``... with --speedup``, and ``resume=True (--resume on
-    the command line)`` as ``--resume``. Only these phrasings are rewritten, so paths and quoted
+    ``cannot be combined with speedup`` as ``... with --speedup``, ``resume=True (--resume on
+    the command line)`` as ``--resume``, ``needs lora_r >= 1`` as ``needs --lora-r R (R >= 1)``, and the
+    missing schedule's fields as options. Only these phrasings are rewritten, so paths and quoted
     values in other messages stay as they are."""
     import re
 
     fields = ("speedups", "speedup", "max_layers", "min_layers")
     reason = reason.replace("resume=True (--resume on the command line)", "--resume")
+    reason = reason.replace("needs lora_r >= 1", "needs --lora-r R (R >= 1)")
+    reason = reason.replace("give speedup, speedups, or max_layers/min_layers (speedup=1 for full depth)",
+                            "give --speedup, --speedups, or --max-layers/--min-layers (--speedup 1 for full depth)")
     return re.sub(r"\b(must be <=|cannot be combined with) (" + "|".join(fields) + r")\b(?![\w/=])",
                   lambda m: f"{m.group(1)} {option(m.group(2))}", reason)
 

@@ -26,14 +26,14 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps=None) -> None:
+def check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps=None, warmup_layers=None) -> None:
     """The policy options' checks that need no model, run before the model loads (seconds
     earlier than :func:`resolve_policy`); the same messages as the library's.
 
     Raises:
         typer.Exit: (2, via :func:`fail`) a ``--speedup`` that is not a finite number >= 1, both
             kinds of schedule, a ``--max-layers``/``--min-layers``/``--horizon`` below 1, or a
-            ``--full-depth-steps`` below 0.
+            ``--full-depth-steps`` or ``--warmup-layers`` below 0.
     """
     import math
 
@@ -44,15 +44,16 @@ def check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_st
     for name, value in (("--max-layers", max_layers), ("--min-layers", min_layers), ("--horizon", horizon)):
         if value is not None and value < 1:
             fail(f"{name} must be >= 1, got {value}")
-    if full_depth_steps is not None and full_depth_steps < 0:
-        fail(f"--full-depth-steps must be >= 0, got {full_depth_steps}")
+    for name, value in (("--full-depth-steps", full_depth_steps), ("--warmup-layers", warmup_layers)):
+        if value is not None and value < 0:
+            fail(f"{name} must be >= 0, got {value}")
 
 
 def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps=None):
     """Policy from CLI flags (speedup or explicit bounds, ``full_depth_steps`` with either), else the
     checkpoint's; exits on error (the model-free checks of :func:`check_policy_options` first, then
     the model's, e.g. ``--full-depth-steps must be >= 0``)."""
-    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps, warmup_layers)
     fields = (max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     try:
         if speedup is not None or any(v is not None for v in fields):

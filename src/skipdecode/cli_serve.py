@@ -107,7 +107,7 @@ def serve(
         from .admission import SERVE_ALIGN_STEPS
 
         align_steps = 0 if serial else SERVE_ALIGN_STEPS
-    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps)
+    check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps, warmup_layers)
     _check_can_listen(host, port)  # before the model load: a busy port fails in a second, cleanly
     from .scheduler import on_fresh_thread
 

@@ -55,11 +55,13 @@ class SkipPolicy(Protocol):
         """JSON-serialisable description, inverse of :func:`policy_from_dict`."""
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def _check_int(name: str, value: Any, low: int, high: int | None = None, high_is: str = "") -> None:
+    """ValueError naming ``name`` unless ``value`` is an int in [low, high] (``high_is``: where
+    the upper bound comes from, said in the message, e.g. ``"max_layers"``)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]" + (f" (at most {high_is})" if high_is else "")
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
@@ -137,8 +139,8 @@ class LinearDecayPolicy:
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1)
-        _check_int("max_layers", self.max_layers, 1, self.num_layers)
-        _check_int("min_layers", self.min_layers, 1, self.max_layers)
+        _check_int("max_layers", self.max_layers, 1, self.num_layers, "the model's layers")
+        _check_int("min_layers", self.min_layers, 1, self.max_layers, "max_layers")
         _check_int("warmup_layers", self.warmup_layers, 0)
         if self.warmup_layers >= self.min_layers:
             raise ValueError(

@@ -402,7 +402,7 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     _check_int(c, "lora_r", 0)
     if _check_path(c, "init_adapter", "a LoRA adapter folder"):
         if c.lora_r == 0:
-            _fail("init_adapter", "needs lora_r >= 1, i.e. --lora-r R (it starts a LoRA adapter)")
+            _fail("init_adapter", "needs lora_r >= 1 (it starts a LoRA adapter)")
         if not os.path.isdir(c.init_adapter):
             _fail("init_adapter", f"must be an existing folder, got {c.init_adapter!r}")
     if c.lora_alpha is not None and (not _is_num(c.lora_alpha) or c.lora_alpha <= 0):
@@ -410,9 +410,9 @@ def _check_distill_lora(c: "TrainConfig") -> None:
     if not _is_num(c.lora_dropout) or not 0 <= c.lora_dropout < 1:
         _fail("lora_dropout", f"must be in [0, 1), got {c.lora_dropout!r}")
     if c.lora_r == 0 and (c.lora_alpha is not None or c.lora_dropout):
-        _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1, i.e. --lora-r R")
+        _fail("lora_alpha" if c.lora_alpha is not None else "lora_dropout", "needs lora_r >= 1 (a LoRA adapter)")
     if c.base_prefill and c.lora_r == 0:
-        _fail("base_prefill", "needs lora_r >= 1, i.e. --lora-r R (the base model is the LoRA adapter switched off)")
+        _fail("base_prefill", "needs lora_r >= 1 (the base model is the LoRA adapter switched off)")
     if c.base_model is not None and (not isinstance(c.base_model, str) or not c.base_model):
         _fail("base_model", f"must be a non-empty string, got {c.base_model!r}")
 
