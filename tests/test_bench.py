@@ -184,6 +184,25 @@ def test_a_trained_schedule_of_another_horizon_is_named_not_timed_silently(resul
     assert result["meta"]["schedule_notes"] == []
 
 
+def test_a_row_whose_tokens_all_run_at_full_depth_is_named():
+    """The trained schedule runs its first 3 decode steps at full depth: 4 new tokens (3 decode
+    steps) time no skipping at all, and the benchmark says so; 8 new tokens do skip."""
+    from skipdecode.policy import LinearDecayPolicy, with_full_depth_steps
+
+    trained = with_full_depth_steps(LinearDecayPolicy(num_layers=NUM_LAYERS, max_layers=7, min_layers=2,
+                                                      warmup_layers=1, horizon=4), 3)
+    sk = SkipModel(make_model("llama", num_layers=NUM_LAYERS), make_tokenizer(),
+                   skip_config={"policies": {"2": trained.to_dict()}, "horizon": 4})
+    short = run_benchmark(sk, batch_sizes=(1,), speedups=(2,), new_tokens=4, horizon=4, repeats=1, warmup=0,
+                          include_hf=False)
+    (note,) = short["meta"]["schedule_notes"]
+    assert "first 3 decode steps at full depth" in note and "--new-tokens 4 gives 3" in note and "skips no layer" in note
+    row = [r for r in short["rows"] if r["policy"] == "2x"][0]
+    assert row["theoretical_speedup"] == pytest.approx(1.0)  # what the note explains
+    assert run_benchmark(sk, batch_sizes=(1,), speedups=(2,), new_tokens=8, horizon=4, repeats=1, warmup=0,
+                         include_hf=False)["meta"]["schedule_notes"] == []
+
+
 def test_cli_bench_last_line_is_json(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -72,9 +72,10 @@ def test_sampling_options_reach_every_answer(model_dir, sk):
 
 
 def test_unknown_command_and_blank_lines_are_not_sent(model_dir, sk):
-    res = run_chat(model_dir, "\n/help\n   \nThe Eagle\n")
+    res = run_chat(model_dir, "\n/help\n/nope\n   \nThe Eagle\n")
     assert res.exit_code == 0, res.output
-    assert "unknown command /help: /reset" in res.stderr
+    assert "commands: /reset (start a new conversation)" in res.stderr and "/help (list these commands)" in res.stderr
+    assert "unknown command /nope: /reset" in res.stderr
     assert res.stdout == answer(sk, [{"role": "user", "content": "The Eagle"}]) + "\n"
 
 

@@ -181,6 +181,8 @@ def test_bad_horizon_fails_before_loading_naming_horizon(saved, tmp_path, monkey
     (["--policy", "warp"], "error: --policy: unknown policy 'warp'", True),
     (["--policy", '{"type": "linear_decay", "max_layers": 3}'],  # num_layers comes from the model
      "error: --policy of type 'linear_decay': missing min_layers (its fields: num_layers, max_layers", True),
+    (["--policy", '{"type": "linear_decay", "max_layers": 3}'],  # num_layers is not asked for: the model gives it
+     "required: max_layers, min_layers)", True),
 ])
 def test_eval_option_errors_name_the_option(saved, tmp_path, monkeypatch, extra, want, loads):
     """These named the library's field (``speedup must``, ``calm_min_layers must``) or none at all

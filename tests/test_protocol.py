@@ -293,7 +293,7 @@ def test_n_above_the_limit_is_refused(client):
         ({"temperature": -1}, "temperature", []),
         ({"temperature": True}, "temperature", []),
         ({"top_p": 1.5}, "top_p", []),
-        ({"top_k": -1}, "top_k", []),
+        ({"top_k": -2}, "top_k", ["-1"]),
         ({"max_tokens": 0}, "max_tokens", []),
         ({"max_tokens": 2.0}, "max_tokens", ["integer"]),
         ({"n": 0}, "n", []),
@@ -524,3 +524,10 @@ def test_cli_names_a_seed_out_of_range():
                              env={"COLUMNS": "200"})
     assert res.exit_code == 2, res.output
     assert "seed" in res.output and "Traceback" not in res.output
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    from skipdecode.protocol import CompletionRequest, _sampling
+
+    assert _sampling(CompletionRequest(prompt="x", top_k=-1, temperature=0.7)).top_k == 0
+    assert _sampling(CompletionRequest(prompt="x", top_k=5, temperature=0.7)).top_k == 5

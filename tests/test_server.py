@@ -91,14 +91,15 @@ def test_bad_values_give_400_naming_the_field(client, body, field):
     assert field in resp.json()["error"]["message"]
 
 
-def assert_openai_error(resp, status: int, param, *words: str, kind: str = "invalid_request_error") -> str:
-    """``resp`` is ``status`` with exactly OpenAI's error body; its message holds ``words``."""
+def assert_openai_error(resp, status: int, param, *words: str, kind: str = "invalid_request_error",
+                        code: str | None = None) -> str:
+    """``resp`` is ``status`` with exactly OpenAI's error body (its ``code`` ``code``); its message holds ``words``."""
     assert resp.status_code == status, resp.text
     body = resp.json()
     assert set(body) == {"error"}
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert (err["type"], err["param"], err["code"]) == (kind, param, None)
+    assert (err["type"], err["param"], err["code"]) == (kind, param, code)
     assert isinstance(err["message"], str)
     for word in words:
         assert word in err["message"]
@@ -154,11 +155,11 @@ def test_body_without_a_json_content_type_says_so(client, path):
 
 def test_unknown_model_is_404(client):
     resp = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "gpt-4"})
-    assert_openai_error(resp, 404, "model", "gpt-4", "tiny")
+    assert_openai_error(resp, 404, "model", "gpt-4", "tiny", code="model_not_found")  # OpenAI's code
     msgs = [{"role": "user", "content": "hi"}]
     resp = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "model": "gpt-4"})
-    assert_openai_error(resp, 404, "model", "gpt-4")
-    assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model", "gpt-4")
+    assert_openai_error(resp, 404, "model", "gpt-4", code="model_not_found")
+    assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model", "gpt-4", code="model_not_found")
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": "tiny"}).status_code == 200
 

@@ -289,7 +289,7 @@ def eval_command(
     data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
     speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
-    policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint' or a JSON policy dict (repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
+    policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint', a speedup ('2' or '2x') or a JSON policy dict such as '{\"type\": \"linear_decay\", \"max_layers\": 21, \"min_layers\": 9}' (num_layers: the model's; repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's; needs --speedup or a number as --policy)."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Prompts per generation batch."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Evaluate only the first N items (after --offset)."),

@@ -9,7 +9,7 @@ the rest: the last answer, whose own keys and values lack the layers its steps s
 message. The text is the same as after a full prefill.
 Every answer starts its schedule at decode step 1, so its first tokens run the policy's widest
 steps (the embedded model's 2x: its first 14 tokens at full depth). The conversation is the only
-state: ``/reset`` empties it, ``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session,
+state: ``/reset`` empties it, ``/help`` lists the commands, ``/exit``, ``/quit`` or end of input (Ctrl-D) ends the session,
 Ctrl-C stops the current answer (which is then not added; at the prompt it ends the session, exit
 code 130). When the conversation and an answer of ``--max-new-tokens`` no longer fit the model's
 context, its oldest exchanges (a user turn and its answer) are dropped until they do (a note on
@@ -50,7 +50,8 @@ from .cli_common import (
 __all__ = ["chat", "CHAT_COMMANDS"]
 
 #: The session commands a line may hold instead of a message.
-CHAT_COMMANDS = {"/reset": "start a new conversation", "/exit": "end the session", "/quit": "end the session"}
+CHAT_COMMANDS = {"/reset": "start a new conversation", "/exit": "end the session", "/quit": "end the session",
+                 "/help": "list these commands"}
 
 
 def chat(
@@ -130,8 +131,9 @@ def run_session(sk: Any, settings: dict[str, Any], opening: list[dict], stats: b
             conversation = list(opening)
             err.print("[dim]new conversation[/]")
             continue
-        if text.startswith("/") and " " not in text:
-            err.print(f"unknown command {text}: " + ", ".join(f"{c} ({w})" for c, w in CHAT_COMMANDS.items()),
+        if text.startswith("/") and " " not in text:  # /help, or an unknown command: list them
+            known = ", ".join(f"{c} ({w})" for c, w in CHAT_COMMANDS.items())
+            err.print(f"commands: {known}" if text == "/help" else f"unknown command {text}: {known}",
                       markup=False, highlight=False)
             continue
         conversation = _fit(sk, conversation, len(opening), text, settings["max_new_tokens"])

@@ -84,7 +84,7 @@ def resolve_policy(model, spec: PolicySpec, *, horizon: int | None = None) -> tu
         policy = model.policy_for(speedup=float(spec), horizon=horizon)
         return ("full" if isinstance(policy, FullPolicy) else f"{float(spec):g}x"), policy
     if isinstance(spec, dict):  # num_layers may be left out: the model's
-        policy = policy_from_dict({"num_layers": model.num_layers, **spec} if spec.get("type") else spec)
+        policy = policy_from_dict(spec, num_layers=model.num_layers)
     else:
         policy = spec
     if policy is None or not isinstance(policy, SkipPolicy):

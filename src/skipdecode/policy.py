@@ -323,12 +323,17 @@ def speedup_label(speedup: float) -> str:
     return format(float(speedup), "g")
 
 
-def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:
+def policy_from_dict(data: dict[str, Any], num_layers: int | None = None) -> LinearDecayPolicy | FullPolicy:
     """Rebuild a policy from :meth:`to_dict` output (e.g. a checkpoint's ``skipdecode.json``).
+
+    Args:
+        data: ``{"type": "full" | "linear_decay", <the type's fields>}``.
+        num_layers: the model's layer count, used when ``data`` has no ``num_layers`` (which is
+            then not listed as required); None: ``data`` must give it.
 
     Raises:
         ValueError: unknown ``type`` (lists the known ones), or fields missing or unknown for the
-            type (names them and lists the type's fields).
+            type (names them and lists the type's fields and the required ones).
     """
     if not isinstance(data, dict) or "type" not in data:
         raise ValueError(f"policy must be a dict with a 'type' key, got {data!r}")
@@ -338,9 +343,12 @@ def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:
         raise ValueError(f"policy type must be one of 'full', 'linear_decay'; got {kind!r}")
     cls = kinds[kind]
     fields = {k: v for k, v in data.items() if k != "type"}
+    if num_layers is not None:
+        fields.setdefault("num_layers", num_layers)
     known = [f.name for f in dataclasses.fields(cls) if f.init]
     required = [f.name for f in dataclasses.fields(cls)
-                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                and not (f.name == "num_layers" and num_layers is not None)]
     unknown = [k for k in fields if k not in known]
     missing = [k for k in required if k not in fields]
     if unknown or missing:
@@ -348,7 +356,7 @@ def policy_from_dict(data: dict[str, Any]) -> LinearDecayPolicy | FullPolicy:
             f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else "",
             f"missing {', '.join(missing)}" if missing else "") if part)
         raise ValueError(f"policy of type {kind!r}: {what} (its fields: {', '.join(known)}; "
-                         f"required: {', '.join(required)})")
+                         f"required: {', '.join(required) or 'none'})")
     return cls(**fields)
 
 

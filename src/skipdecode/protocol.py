@@ -79,14 +79,15 @@ class APIError(HTTPException):
     """An HTTP error answered in OpenAI's shape; ``param`` names the request field to blame.
 
     ``kind`` is OpenAI's error ``type``; by default ``server_error`` for status >= 500, else
-    ``invalid_request_error``.
+    ``invalid_request_error``. ``code``: OpenAI's error ``code`` (e.g. ``model_not_found``; None: null).
     """
 
     def __init__(self, status_code: int, message: str, param: Optional[str] = None, kind: Optional[str] = None,
-                 headers: Optional[Mapping[str, str]] = None):
+                 headers: Optional[Mapping[str, str]] = None, code: Optional[str] = None):
         super().__init__(status_code=status_code, detail=message, headers=dict(headers) if headers else None)
         self.param = param
         self.kind = kind or default_kind(status_code)
+        self.code = code
 
 
 def default_kind(status: int) -> str:
@@ -102,7 +103,8 @@ def error_body(message: str, kind: str, param: Optional[str] = None, code: Optio
 
 def unknown_model(name: str, served: str) -> APIError:
     """The 404 for a ``model`` other than the ``served`` one (param ``model``)."""
-    return APIError(404, f"model: the model {name!r} does not exist; this server serves {served!r}", param="model")
+    return APIError(404, f"model: the model {name!r} does not exist; this server serves {served!r}", param="model",
+                    code="model_not_found")
 
 
 def bad(param: str, problem: str) -> APIError:
@@ -213,7 +215,7 @@ class CommonFields(SkipFields):
     ``ignore_eos`` (ours, as vLLM's). None: the default.
 
     Defaults: ``max_tokens`` :data:`DEFAULT_MAX_TOKENS` (lowered to what the context leaves),
-    ``temperature`` 0 (greedy; OpenAI's default is 1), ``top_p`` 1, ``top_k`` 0 (off),
+    ``temperature`` 0 (greedy; OpenAI's default is 1), ``top_p`` 1, ``top_k`` 0 (off; -1 too, vLLM's "off"),
     ``ignore_eos`` false (true: generated EOS tokens do not end a row, as vLLM's ``ignore_eos``;
     the row ends at ``max_tokens`` or a stop string, and EOS tokens are left out of its text).
     """
@@ -222,7 +224,7 @@ class CommonFields(SkipFields):
     max_tokens: Optional[StrictInt] = Field(None, ge=1, description="Most new tokens per prompt.")
     temperature: Optional[StrictFloat] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[StrictInt] = Field(None, ge=0)
+    top_k: Optional[StrictInt] = Field(None, ge=-1)  # -1: off, as vLLM's (0 too)
     seed: Optional[StrictInt] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     frequency_penalty: Optional[StrictFloat] = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
                                                      allow_inf_nan=False)
@@ -417,7 +419,7 @@ def _sampling(req: CommonFields) -> SamplingParams:
     top_p = 1.0 if req.top_p is None else req.top_p  # 0: greedy (SamplingParams.greedy)
     try:
         penalties = {k: getattr(req, k) for k in _PENALTY_FIELDS if getattr(req, k) is not None}
-        return SamplingParams(temperature=temperature, top_k=req.top_k or 0, top_p=top_p, seed=req.seed, **penalties)
+        return SamplingParams(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=top_p, seed=req.seed, **penalties)
     except ValueError as e:
         raise _named(e, _SAMPLING_FIELDS, "temperature") from None
 

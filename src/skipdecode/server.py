@@ -19,7 +19,8 @@ Requests are parsed and checked in full by :mod:`skipdecode.protocol` (OpenAI's 
 meaning, unsupported features refused by name, prompts encoded by the one path the library and the
 CLI use) before anything reaches the engine; docs/openai-api.md lists what is accepted.
 
-Errors use OpenAI's body ``{"error": {"message", "type", "param", "code": null}}``: HTTP 400 with
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` (``code`` null but for
+``model_not_found`` and ``invalid_api_key``): HTTP 400 with
 type ``invalid_request_error`` for a bad request (schema errors and broken JSON included, not
 FastAPI's 422), ``param`` the offending field (null when no field is to blame) and a message that
 names it; 404 for an unknown model or route; 500 with type ``server_error`` for a server fault.
@@ -200,7 +201,7 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     _count_refusal(request.app, request.url.path, exc.status_code)  # 400s and 429s
     message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
     return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
-                           headers=exc.headers)
+                           headers=exc.headers, code=getattr(exc, "code", None))
 
 
 async def _on_server_error(request: Request, exc: Exception) -> JSONResponse:

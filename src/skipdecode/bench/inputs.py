@@ -139,18 +139,29 @@ def bench_policies(sk, speedups: Sequence[float], horizon: int) -> list[tuple[st
     return policies
 
 
-def schedule_notes(sk, speedups: Sequence[float], horizon: int) -> list[str]:
-    """One line per target speedup whose timed schedule is not the one the model was trained
-    for: where ``sk`` has a trained schedule for ``s`` (:meth:`SkipModel.trained_policy`, the one
-    ``generate --speedup s`` runs) and ``horizon`` (tokens) differs from its horizon, the
-    benchmark times the generic :func:`~skipdecode.policy.for_speedup` schedule instead
-    (:meth:`SkipModel.policy_for`'s rule); the line says so and how to time the trained one.
-    Empty for models without trained schedules (the stock weights) and when ``horizon`` matches.
+def schedule_notes(sk, speedups: Sequence[float], horizon: int, new_tokens: int | None = None) -> list[str]:
+    """One line per target speedup whose timed schedule is not what a reader would expect:
+
+    - where ``sk`` has a trained schedule for ``s`` (:meth:`SkipModel.trained_policy`, the one
+      ``generate --speedup s`` runs) and ``horizon`` (tokens) differs from its horizon, the
+      benchmark times the generic :func:`~skipdecode.policy.for_speedup` schedule instead
+      (:meth:`SkipModel.policy_for`'s rule); the line says so and how to time the trained one;
+    - where the timed schedule runs its first k decode steps at full depth (``full_depth_steps``)
+      and ``new_tokens`` (tokens per row) leaves at most k decode steps, the row skips nothing;
+      the line says so and what ``--new-tokens`` would show its skipping.
+
+    Empty for models without trained schedules (the stock weights) when ``horizon`` matches.
     """
     notes = []
     for s in speedups:
+        timed = sk.policy_for(speedup=float(s), horizon=horizon)
         trained = sk.trained_policy(float(s))
-        if trained is None or sk.policy_for(speedup=float(s), horizon=horizon) == trained:
+        k_timed = getattr(timed, "full_depth_steps", 0) or 0
+        if new_tokens is not None and k_timed and new_tokens - 1 <= k_timed:
+            notes.append(f"{_policy_name(s)}: its schedule runs the first {k_timed} decode steps at full depth and "
+                         f"--new-tokens {new_tokens} gives {new_tokens - 1}, so this row skips no layer; give "
+                         f"--new-tokens well above {k_timed + 1} for its skipping to show")
+        if trained is None or timed == trained:
             continue
         h = getattr(trained, "horizon", None)
         k = getattr(trained, "full_depth_steps", 0) or 0

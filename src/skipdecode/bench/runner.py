@@ -160,7 +160,7 @@ def run_benchmark(
     progress = on_progress or (lambda msg: None)
     device = _device(sk)
     policies = bench_policies(sk, speedups, horizon)
-    notes = schedule_notes(sk, speedups, horizon)
+    notes = schedule_notes(sk, speedups, horizon, new_tokens)
     for note in notes:
         progress(note)
     eos_ids = _eos_ids(sk)
