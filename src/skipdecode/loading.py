@@ -335,11 +335,11 @@ def _from_hub(model: str | os.PathLike, dtype: torch.dtype) -> tuple[Any, Any]:
 
     Raises:
         LoadError: not a valid model id, or not cached and the hub is unreachable,
-            ``HF_HUB_OFFLINE`` is set, the hub has no such model, or the download fails (each named), at once rather than after
-            huggingface_hub's retries (about 70 s on a machine without the hub).
+            ``HF_HUB_OFFLINE`` is set, the hub has no such model, or the download fails (each
+            named), at once rather than after huggingface_hub's retries (about 70 s on a
+            machine without the hub).
     """
     from huggingface_hub import constants
-
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -379,7 +379,8 @@ def _hub_problem(name: str) -> str | None:
     except RepositoryNotFoundError:
         return "the hub has no model of that name (or it is private: log in with `hf auth login`)"
     except Exception as err:  # noqa: BLE001 - network errors vary by HTTP backend
-        return f"the Hugging Face hub cannot be reached ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        detail = str(err).splitlines()[0] if str(err) else ""
+        return f"the Hugging Face hub cannot be reached ({type(err).__name__}: {detail})"
     return None
 
 

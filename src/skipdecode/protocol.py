@@ -419,7 +419,8 @@ def _sampling(req: CommonFields) -> SamplingParams:
     top_p = 1.0 if req.top_p is None else req.top_p  # 0: greedy (SamplingParams.greedy)
     try:
         penalties = {k: getattr(req, k) for k in _PENALTY_FIELDS if getattr(req, k) is not None}
-        return SamplingParams(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=top_p, seed=req.seed, **penalties)
+        top_k = max(req.top_k or 0, 0)  # -1 (vLLM's "off") and 0 are off
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed, **penalties)
     except ValueError as e:
         raise _named(e, _SAMPLING_FIELDS, "temperature") from None
 
