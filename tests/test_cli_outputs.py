@@ -334,6 +334,18 @@ def test_a_policy_bound_says_where_it_comes_from(saved):
     _one_line_exit_2(res, text, "error: --min-layers must be in [1, 3] (at most --max-layers), got 4")
 
 
+def test_a_bound_from_the_schedule_is_not_called_an_option(tmp_path, tokenizer):
+    """A model whose schedule runs at most 3 of 4 layers: --min-layers 4 alone breaks a bound the
+    user never gave, so the message names the schedule, not --max-layers."""
+    from skipdecode.policy import LinearDecayPolicy
+
+    path = tmp_path / "scheduled"
+    SkipModel(make_model("llama", NUM_LAYERS), tokenizer,
+              policy=LinearDecayPolicy(NUM_LAYERS, 3, 2, 1, horizon=4)).save_pretrained(path)
+    res, text = _run(["generate", "--model", str(path), "hello", "-n", "2", "--min-layers", "4"])
+    _one_line_exit_2(res, text, "error: --min-layers must be in [1, 3] (at most the schedule's max layers), got 4")
+
+
 def test_a_one_token_answer_prints_no_nan(saved):
     """One new token comes from the prefill: no decode step ran, so the step figures are '-'."""
     res, _ = _run(["generate", "--model", str(saved), "hello", "-n", "1"])

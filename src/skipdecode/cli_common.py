@@ -54,16 +54,25 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
     checkpoint's; exits on error (the model-free checks of :func:`check_policy_options` first, then
     the model's, e.g. ``--full-depth-steps must be >= 0``)."""
     check_policy_options(speedup, max_layers, min_layers, horizon, full_depth_steps, warmup_layers)
-    fields = (max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
+    given = {"speedup": speedup, "max_layers": max_layers, "min_layers": min_layers, "warmup_layers": warmup_layers,
+             "horizon": horizon, "full_depth_steps": full_depth_steps}
     try:
-        if speedup is not None or any(v is not None for v in fields):
-            return model.policy_for(
-                speedup=speedup, horizon=horizon, max_layers=max_layers, min_layers=min_layers,
-                warmup_layers=warmup_layers, full_depth_steps=full_depth_steps,
-            )
+        if any(v is not None for v in given.values()):
+            return model.policy_for(**given)
         return model.policy
     except ValueError as e:
-        fail(as_option_error(e, POLICY_OPTION_NAMES))
+        fail(as_option_error(policy_bound_source(e, given), POLICY_OPTION_NAMES))
+
+
+def policy_bound_source(error: Exception, given: dict) -> str:
+    """The message of a policy ``error`` whose bound "(at most max_layers)" names a field the user
+    did not give (None in ``given``) rewritten as "(at most the schedule's max layers)": that bound
+    came from the model's schedule or the speedup, not from an option on the command line."""
+    message = str(error)
+    for name, value in given.items():
+        if value is None:
+            message = message.replace(f"(at most {name})", f"(at most the schedule's {name.replace('_', ' ')})")
+    return message
 
 
 def runs_every_layer(policy) -> bool:
