@@ -386,7 +386,7 @@ def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) ->
     return entries
 
 
-@app.command()
+@app.command(short_help="Fine-tune a model with its skip schedule in place (LoRA or full).")
 def train(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=TRAIN_MODEL_HELP),
     data: str = typer.Option(..., "--data", help="Training data: .csv (E2E), .jsonl (prompt/response or CNN/DM) or a HF dataset name; relative paths are also looked up in the shared data folder."),
@@ -560,9 +560,9 @@ from .cli_bench import bench  # noqa: E402  (the bench command lives in its own 
 
 from .cli_serve import serve  # noqa: E402
 
-app.command()(bench)
+app.command(short_help="Decode speed of full depth and each speedup against HF generate.")(bench)
 app.command()(chat)
-app.command()(serve)
+app.command(short_help="Serve an OpenAI-compatible API, with /health and Prometheus /metrics.")(serve)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
