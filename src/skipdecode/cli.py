@@ -40,6 +40,7 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     NO_ADAPTER_HELP,
     PREFIX_CACHE_HELP,
     QUANTIZE_HELP,
+    THREADS_HELP,
     as_option_error,
     check_cohort_option,
     check_policy_options,
@@ -54,6 +55,8 @@ from .cli_common import (  # noqa: E402  (shared with cli_bench)
     read_prompts_file,
     resolve_policy,
     sampling_from_options,
+    set_threads,
+    speedup_values,
     stock_weights_at_full_depth,
     stop_from_options,
 )
@@ -121,8 +124,10 @@ def generate(
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " Applies to several prompts."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Also print each token's log-probability (under the layers that ran for it) and this many alternatives (0-20)."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Generate with a skip policy, streaming to the terminal, then print the statistics."""
+    set_threads(threads)
     all_prompts = _collect_prompts(prompts, prompts_file)
     from .generate import generate as run_generate
 
@@ -288,7 +293,7 @@ def eval_command(
     models: List[str] = typer.Option([], "--model", "-m", help=EVAL_MODEL_HELP),
     data: Optional[str] = typer.Option(None, "--data", "-d", help="Eval data: E2E .csv (grouped by MR), CNN/DM .jsonl, {prompt, references} .jsonl or a HF dataset name (default: E2E test set with references in the shared data folder)."),
     task: Optional[str] = typer.Option(None, "--task", help="e2e, cnndm or plain: prompt template and metric set (default: from the file)."),
-    speedups: List[float] = typer.Option([], "--speedup", "-s", help="Target speedup policy (repeatable; 1 = full depth)."),
+    speedups: List[str] = typer.Option([], "--speedup", "--speedups", "-s", help="Target speedup policy (repeatable, or comma-separated as in bench: --speedups 2,3; 1 = full depth)."),
     policies: List[str] = typer.Option([], "--policy", help="'full', 'checkpoint', a speedup ('2' or '2x') or a JSON policy dict such as '{\"type\": \"linear_decay\", \"max_layers\": 21, \"min_layers\": 9}' (num_layers: the model's; repeatable). Default with no --speedup/--policy: the checkpoint's policy."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Horizon of --speedup policies (tokens; default: the checkpoint's; needs --speedup or a number as --policy)."),
     batch_size: int = typer.Option(8, "--batch-size", "-b", help="Prompts per generation batch."),
@@ -313,6 +318,7 @@ def eval_command(
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="items") + " Applies with --inflight."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " Applies with --inflight."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=EVAL_NO_ADAPTER_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="One of the --model values (as given, the same folder spelled otherwise, or its label in the table, e.g. NAME#2 for a second copy), e.g. a full-depth (1x) fine-tune: every other row's speedups are also given against its full-depth row (the paper's baseline), in a second table."),
 ) -> None:
     """Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth; write JSON, Markdown, PNG."""
@@ -320,7 +326,9 @@ def eval_command(
     from .evaluate import detect_task, evaluate
     from .paths import is_file_name
 
+    set_threads(threads)
     check_quantize_option(quantize)
+    speedups = speedup_values(speedups, "--speedup")
     check_eval_rows(speedups, policies, horizon, calm_thresholds, calm_min_layers, metrics)
     stops = check_eval_run(stop, cohort_size, batch_size, inflight, limit, max_new_tokens, task)
     data, items = eval_items(data, task, skip_bad_rows, offset, limit)
@@ -437,6 +445,7 @@ def train(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Drop malformed data rows instead of failing."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Chat template on prompts (default: the model's setting)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Fine-tune a model with its skip schedule in place; prints the run record's summary as JSON."""
     from .data import DataError, check_data_file
@@ -449,6 +458,7 @@ def train(
     def option(field_name: str) -> str:
         return renamed.get(field_name, "--" + field_name.replace("_", "-"))
 
+    set_threads(threads)
     if keep_checkpoints is not None and not checkpoint_every:  # it would be silently ignored
         fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
     speedup_list = None

@@ -4,7 +4,7 @@ quantized/compiled variants next to llama.cpp). :mod:`skipdecode.cli` registers 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -33,7 +33,7 @@ def bench(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     batch_sizes: str = typer.Option("1,8,32", "--batch-sizes", help="Comma-separated batch sizes."),
-    speedups: str = typer.Option("2,3,5", "--speedups", help="Comma-separated target speedups (full depth is always run)."),
+    speedups: List[str] = typer.Option([], "--speedups", "--speedup", "-s", help="Target speedups, comma-separated or repeated (--speedup 2 --speedup 3; default 2,3,5; full depth is always run)."),
     new_tokens: int = typer.Option(32, "--new-tokens", help="Tokens generated per row in every run (equal lengths)."),
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens). A model trained for its own schedule of another horizon (the embedded model's 2x adapter: 4) then times the generic schedule; the run says so, and --horizon H times the trained one."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per configuration (median reported)."),
@@ -57,7 +57,8 @@ def bench(
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""
     from . import bench as B
 
-    sizes, targets, profile_sizes = _parse_bench_options(batch_sizes, speedups, profile_batch_sizes, new_tokens,
+    speedup_text = ",".join(speedups) if speedups else "2,3,5"  # --speedup 2 --speedup 3 == --speedups 2,3
+    sizes, targets, profile_sizes = _parse_bench_options(batch_sizes, speedup_text, profile_batch_sizes, new_tokens,
                                                          repeats, warmup, horizon, bandwidth_gbs)
     prompts = B.DEFAULT_PROMPTS
     if prompts_file is not None:

@@ -36,6 +36,7 @@ from .cli_common import (
     MODEL_HELP,
     NO_ADAPTER_HELP,
     QUANTIZE_HELP,
+    THREADS_HELP,
     check_policy_options,
     err,
     fail,
@@ -43,6 +44,7 @@ from .cli_common import (
     out,
     resolve_policy,
     sampling_from_options,
+    set_threads,
     stock_weights_at_full_depth,
     stop_from_options,
 )
@@ -73,12 +75,14 @@ def chat(
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="After each answer, print its tokens/s, mean active layers and theoretical speedup to stderr."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Chat in the terminal under a skip policy: multi-turn, streamed, /reset and /exit.
 
     Each answer starts the schedule again, so its first tokens run the widest steps (the embedded
     model's 2x: the first 14 at full depth); the oldest exchanges are dropped when the
     conversation outgrows the context."""
+    set_threads(threads)
     sampling = sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty, frequency_penalty,
                                      presence_penalty)
     stop = stop_from_options(stop)

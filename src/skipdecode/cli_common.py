@@ -174,6 +174,10 @@ def check_cohort_option(cohort_size: int, batch_size: int, batch_option: str) ->
         fail(f"--cohort-size must be in [1, {batch_option}={batch_size}], got {cohort_size}")
 
 
+#: Help of ``--threads`` on generate, eval, chat and train (bench and serve say their own default).
+THREADS_HELP = "torch intra-op threads (torch.set_num_threads; default: torch's, one per core)."
+
+
 def set_threads(threads, default_all_cores: bool = False) -> None:
     """Exit 2 with a one-line error unless ``--threads`` is unset or >= 1, then apply it with
     ``torch.set_num_threads`` (intra-op threads). Unset keeps torch's default, or uses every
@@ -188,6 +192,22 @@ def set_threads(threads, default_all_cores: bool = False) -> None:
         import os
 
         torch.set_num_threads(os.cpu_count() or 1)
+
+
+def speedup_values(items, option: str = "--speedup") -> list[float]:
+    """The speedups of a repeatable option whose values may also be comma-separated lists
+    (``--speedup 2 --speedup 3`` and ``--speedups 2,3`` alike): ``["2", "3,5"]`` -> ``[2.0, 3.0,
+    5.0]``. Exits 2 naming ``option`` when an entry is not a number; ranges are checked later."""
+    values = []
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            try:
+                values.append(float(part))
+            except ValueError:
+                fail(f"{option} must be a number (or comma-separated numbers such as 2,3), got {item!r}")
+    return values
 
 
 def check_quantize_option(quantize) -> None:
