@@ -7,24 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
-
-from conftest import make_model
-from skipdecode import SkipModel
-from skipdecode.cli import app
-
-NUM_LAYERS = 4
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    SkipModel(make_model("llama", NUM_LAYERS), tokenizer).save_pretrained(path)
-    return path
+from test_cli_outputs import _run as _run_squeezed
+from test_cli_outputs import saved  # noqa: F401  (the tiny saved checkpoint fixture)
 
 
 def _run(args):
-    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    """``(result, output with whitespace runs as single spaces)`` of the CLI on ``args``."""
+    res, _ = _run_squeezed(args)
     return res, " ".join(res.output.split())
 
 
