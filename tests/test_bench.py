@@ -249,3 +249,18 @@ def test_cli_bench_bad_options(tmp_path):
                        (["--batch-sizes", "1,1"], "--batch-sizes must not repeat")):
         res = CliRunner().invoke(app, ["bench", *args, "--out", str(tmp_path / "x.json")])
         assert res.exit_code == 2 and word in res.output, res.output
+
+
+def test_wall_target_leaves_out_rows_that_skipped_nothing():
+    """A 2x row whose decode steps all ran every layer (theoretical 1.0, wall/theoretical about 1)
+    would pass the 0.8 target trivially; it is not counted, and with no other row nothing is checked."""
+    from skipdecode.bench.runner import _targets
+
+    def row(policy, theoretical, wall):
+        return {"engine": "skipdecode", "batch_size": 1, "policy": policy, "full_vs_hf": None,
+                "theoretical_speedup": theoretical, "wall_over_theoretical": wall}
+
+    t = _targets([row("full", 1.0, 1.0), row("2x", 1.0, 0.99), row("5x", 2.5, 0.6)])
+    assert t["wall_over_theoretical"] == {"1/5x": 0.6} and t["wall_over_theoretical_met"] is False
+    t = _targets([row("full", 1.0, 1.0), row("2x", 1.0, 0.99)])
+    assert t["wall_over_theoretical"] == {} and t["wall_over_theoretical_met"] is None

@@ -349,14 +349,14 @@ def test_console_entry_point_without_arguments_prints_help_and_no_empty_error(ca
     assert "error" not in captured.err, captured.err
 
 
-@pytest.mark.parametrize("width", [100, 200])
-def test_wide_terminals_show_whole_command_summaries(width):
-    """At 100 and 200 columns no command's summary is cut short with '...'."""
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_terminals_show_whole_command_summaries(width):
+    """At 80, 100 and 200 columns no command's summary is cut short with '...'."""
     res = CliRunner().invoke(app, ["--help"], terminal_width=width)
     commands = res.output.split("Commands:")[1]
     assert res.exit_code == 0 and "..." not in commands, res.output
-    assert "Chat in the terminal under a skip policy: multi-turn, streamed, /reset and /exit." in res.output
-    assert "Serve an OpenAI-compatible API, with /health and Prometheus /metrics." in res.output
+    assert "Chat in the terminal under a skip policy (/reset, /exit, /help)." in res.output
+    assert "Serve an OpenAI-compatible API, with /health and /metrics." in res.output
 
 
 def test_version_option(capsys):

@@ -115,3 +115,40 @@ def test_bench_takes_speedups_repeated_or_comma_separated(saved, monkeypatch, tm
         assert isinstance(res.exception, _Stop), res.output
         got[label] = list(res.exception.kwargs["speedups"])
     assert got == {"repeated": [2.0, 3.0], "list": [2.0, 3.0], "default": [2.0, 3.0, 5.0], "none": []}
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "train", "chat", "bench", "serve"])
+def test_more_threads_than_cores_is_refused(command, saved, tmp_path, thread_calls):
+    """--threads 100000 used to end in "can't start new thread" and a segmentation fault."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    args = _commands(saved, tmp_path).get(command, [command])
+    res, text = _run([*args, "--threads", str(cores + 1)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"--threads must be at most {cores} (the cores this process may use), got {cores + 1}" in text
+    assert thread_calls == []
+
+
+def test_a_bound_from_the_schedule_in_a_comparison_is_named_so(tmp_path, tokenizer):
+    """--warmup-layers alone on a model whose schedule's floor is 2: the 2 is the schedule's, not
+    an option the user gave; with --min-layers given, the option is named."""
+    from conftest import make_model
+    from skipdecode import SkipModel
+    from skipdecode.policy import LinearDecayPolicy
+
+    path = tmp_path / "scheduled"
+    SkipModel(make_model("llama", 4), tokenizer, policy=LinearDecayPolicy(4, 3, 2, 1, horizon=4)).save_pretrained(path)
+    res, text = _run(["generate", "--model", str(path), "hello", "-n", "2", "--warmup-layers", "2"])
+    assert res.exit_code == 2, res.output
+    assert "--warmup-layers must be < the schedule's min layers (2)" in text
+    res, text = _run(["generate", "--model", str(path), "hello", "-n", "2", "--warmup-layers", "3", "--min-layers", "3"])
+    assert res.exit_code == 2, res.output
+    assert "--warmup-layers must be < --min-layers (3)" in text
+
+
+def test_a_speedup_the_model_cannot_reach_names_bench_option(saved, tmp_path):
+    res, text = _run(["bench", "--model", str(saved), "--batch-sizes", "1", "--speedups", "30", "--new-tokens", "2",
+                      "--repeats", "1", "--warmup", "0", "--no-hf", "--output", str(tmp_path / "b.json")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert text.startswith("error: --speedups must be <=") or "error: --speedups must be <=" in text

@@ -93,7 +93,7 @@ EVAL_NO_ADAPTER_HELP = ("Do not merge a model's shipped skip adapter. eval's def
                         "under this flag.")
 
 
-@app.command()
+@app.command(short_help="Generate under a skip policy, streamed, then print statistics.")
 def generate(
     prompts: List[str] = typer.Argument(None, help="Prompt(s); several run as one left-padded batch."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
@@ -245,7 +245,7 @@ def _stats_line(s: dict) -> str:
             f"theoretical speedup {fmt(s['theoretical_speedup'], '.2f')}x | policy {escape(str(s['policy']))}")
 
 
-@app.command(short_help="Summarise the model: layers, default policy, --speedup schedules, skip adapter.")
+@app.command(short_help="Summarise the model: layers, policy, schedules, skip adapter.")
 def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
@@ -287,7 +287,7 @@ def _baseline_label(baseline: Optional[str], given: list[str], labels: list[str]
          f"got {baseline!r}")
 
 
-@app.command("eval", short_help="Score quality (BLEU, chrF, ROUGE) and speed of skip policies against full depth.")
+@app.command("eval", short_help="Score quality and speed of skip policies against full depth.")
 def eval_command(
     ctx: typer.Context,
     models: List[str] = typer.Option([], "--model", "-m", help=EVAL_MODEL_HELP),
@@ -571,8 +571,8 @@ from .cli_bench import bench  # noqa: E402  (the bench command lives in its own 
 from .cli_serve import serve  # noqa: E402
 
 app.command(short_help="Decode speed of full depth and each speedup against HF generate.")(bench)
-app.command()(chat)
-app.command(short_help="Serve an OpenAI-compatible API, with /health and Prometheus /metrics.")(serve)
+app.command(short_help="Chat in the terminal under a skip policy (/reset, /exit, /help).")(chat)
+app.command(short_help="Serve an OpenAI-compatible API, with /health and /metrics.")(serve)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

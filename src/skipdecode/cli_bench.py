@@ -15,6 +15,7 @@ from .cli_common import (
     MODEL_HELP,
     NO_ADAPTER_HELP,
     QUANTIZE_HELP,
+    as_option_error,
     check_output_folder,
     check_policy_options,
     check_quantize_option,
@@ -28,6 +29,10 @@ from .cli_common import (
 )
 from .jsonio import dumps
 
+#: The policy fields a benchmark's ValueError may name -> bench's options (e.g. a speedup the model
+#: cannot reach: "--speedups must be <= 15.00 for a model of 30 layers ...").
+BENCH_POLICY_OPTIONS = {"speedup": "--speedups", "horizon": "--horizon"}
+
 
 def bench(
     ctx: typer.Context,
@@ -38,7 +43,7 @@ def bench(
     horizon: Optional[int] = typer.Option(None, "--horizon", help="Policies' horizon T (default: --new-tokens). A model trained for its own schedule of another horizon (the embedded model's 2x adapter: 4) then times the generic schedule; the run says so, and --horizon H times the trained one."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per configuration (median reported)."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed warm-up runs per configuration."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch.set_num_threads (default: all cores)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (torch.set_num_threads; default: every core, as timings want)."),
     device: str = typer.Option("cpu", "--device", help="torch device, e.g. cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Also time Hugging Face generate on the same prompts."),
@@ -92,7 +97,7 @@ def bench(
                 on_progress=_progress,
             )
     except ValueError as e:
-        fail(str(e))
+        fail(as_option_error(e, BENCH_POLICY_OPTIONS))
     _report_float_bench(ctx, result, output, plot, profile)
 
 
@@ -171,7 +176,7 @@ def _report_float_bench(ctx, result: dict, output: Path, plot: bool, profile: bo
     checked = sorted({int(k.split("/")[0]) for k in t["wall_over_theoretical"]})
     wall_target = (f"wall/theoretical >= {t['wall_over_theoretical_min']} at batch "
                    f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
-                   else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup)")
+                   else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup that skips a layer)")
     hf = t["full_not_slower_than_hf"]
     err.print(
         f"[dim]targets: ours-full no slower than HF: {'n/a (--no-hf)' if hf is None else hf} | {wall_target} | "
@@ -192,7 +197,7 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
     try:
         result = E.run_variants(sk, variant_list, bench_kwargs=bench_kwargs, on_progress=_progress)
     except ValueError as e:
-        fail(str(e))
+        fail(as_option_error(e, BENCH_POLICY_OPTIONS))
     if gguf is not None:
         _progress("llama.cpp: batch 1, full depth")
         prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]

@@ -65,13 +65,17 @@ def resolve_policy(model, speedup, max_layers, min_layers, warmup_layers, horizo
 
 
 def policy_bound_source(error: Exception, given: dict) -> str:
-    """The message of a policy ``error`` whose bound "(at most max_layers)" names a field the user
-    did not give (None in ``given``) rewritten as "(at most the schedule's max layers)": that bound
-    came from the model's schedule or the speedup, not from an option on the command line."""
+    """The message of a policy ``error`` with each bound that names a field the user did not give
+    (None in ``given``) said to come from the schedule: "(at most max_layers)" -> "(at most the
+    schedule's max layers)", "< min_layers (5)" -> "< the schedule's min layers (5)". Such a bound
+    came from the model's schedule or the speedup, not from an option on the command line; the
+    fields the user gave stay as they are (:func:`as_option_error` then names their options)."""
     message = str(error)
     for name, value in given.items():
         if value is None:
-            message = message.replace(f"(at most {name})", f"(at most the schedule's {name.replace('_', ' ')})")
+            words = f"the schedule's {name.replace('_', ' ')}"
+            message = message.replace(f"(at most {name})", f"(at most {words})")
+            message = re.sub(rf"\b{name}\b(?= \(-?\d)", words, message)
     return message
 
 
@@ -179,18 +183,22 @@ THREADS_HELP = "torch intra-op threads (torch.set_num_threads; default: torch's,
 
 
 def set_threads(threads, default_all_cores: bool = False) -> None:
-    """Exit 2 with a one-line error unless ``--threads`` is unset or >= 1, then apply it with
-    ``torch.set_num_threads`` (intra-op threads). Unset keeps torch's default, or uses every
-    core (``os.cpu_count()``) when ``default_all_cores``."""
+    """Exit 2 with a one-line error unless ``--threads`` is unset or in [1, the cores this process
+    may run on] (more threads than cores only slow torch down, and far more crash it: "can't start
+    new thread"), then apply it with ``torch.set_num_threads`` (intra-op threads). Unset keeps
+    torch's default, or uses every core (``os.cpu_count()``) when ``default_all_cores``."""
+    import os
+
     if threads is not None and threads < 1:
         fail(f"--threads must be >= 1, got {threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is not None and threads > cores:
+        fail(f"--threads must be at most {cores} (the cores this process may use), got {threads}")
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
     elif default_all_cores:
-        import os
-
         torch.set_num_threads(os.cpu_count() or 1)
 
 
