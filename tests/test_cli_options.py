@@ -152,3 +152,21 @@ def test_a_speedup_the_model_cannot_reach_names_bench_option(saved, tmp_path):
                       "--repeats", "1", "--warmup", "0", "--no-hf", "--output", str(tmp_path / "b.json")])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert text.startswith("error: --speedups must be <=") or "error: --speedups must be <=" in text
+
+
+@pytest.mark.parametrize("text", ["2,,3", "2,3,", ",2"])
+def test_an_empty_item_in_a_speedup_list_is_refused(text, saved, tmp_path):
+    """"2,,3" ran 2x and 3x without a word: more likely a typo than a wish. The whole list empty
+    ("") stays allowed on bench (full depth only)."""
+    commands = _commands(saved, tmp_path)
+    train = [a for a in commands["train"] if a not in ("--speedup", "2")]  # --speedups instead
+    for args, option in ((commands["eval"], "--speedup"), (commands["bench"], "--speedups"), (train, "--speedups")):
+        res, out = _run([*args, "--speedups", text])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (args[0], res.output)
+        assert f"{option} has an empty item (two commas in a row, or one at an end), got '{text}'" in out, res.output
+
+
+def test_bench_batch_sizes_with_an_empty_item_are_refused(saved, tmp_path):
+    res, text = _run([*_commands(saved, tmp_path)["bench"], "--batch-sizes", "1,,2"])
+    assert res.exit_code == 2, res.output
+    assert "--batch-sizes has an empty item (two commas in a row, or one at an end), got '1,,2'" in text

@@ -463,8 +463,14 @@ def train(
         fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
     speedup_list = None
     if speedups is not None:
+        from .bench.inputs import comma_items
+
         try:
-            speedup_list = tuple(float(x) for x in speedups.split(",") if x.strip())
+            items = comma_items(speedups, "--speedups")
+        except ValueError as e:
+            fail(str(e))
+        try:
+            speedup_list = tuple(float(x) for x in items)
         except ValueError:
             fail(f"--speedups must be comma-separated numbers such as 2,3,5, got {speedups!r}")
     try:

@@ -206,11 +206,15 @@ def speedup_values(items, option: str = "--speedup") -> list[float]:
     """The speedups of a repeatable option whose values may also be comma-separated lists
     (``--speedup 2 --speedup 3`` and ``--speedups 2,3`` alike): ``["2", "3,5"]`` -> ``[2.0, 3.0,
     5.0]``. Exits 2 naming ``option`` when an entry is not a number; ranges are checked later."""
+    from .bench.inputs import comma_items
+
     values = []
     for item in items:
-        for part in str(item).split(","):
-            if not part.strip():
-                continue
+        try:
+            parts = comma_items(item, option)
+        except ValueError as e:
+            fail(str(e))
+        for part in parts:
             try:
                 values.append(float(part))
             except ValueError:

@@ -60,15 +60,31 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 
 
 
+def comma_items(text: str, name: str = "value") -> list[str]:
+    """The stripped items of a comma-separated ``text``: ``" 2, 3"`` -> ``["2", "3"]``, ``""`` -> ``[]``.
+
+    Raises:
+        ValueError: an empty item inside a list (``"2,,3"``, ``"2,3,"``), which is more likely a
+            typo than a wish; the message names ``name``.
+    """
+    if not str(text).strip():
+        return []
+    items = [x.strip() for x in str(text).split(",")]
+    if not all(items):
+        raise ValueError(f"{name} has an empty item (two commas in a row, or one at an end), got {text!r}")
+    return items
+
+
 def parse_int_list(text: str, name: str = "value") -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]`` (e.g. batch sizes, in sequences).
 
     Raises:
-        ValueError: ``text`` is not comma-separated integers, is empty, or holds a value < 1
-            or one twice; the message names ``name``.
+        ValueError: ``text`` is not comma-separated integers, is empty, holds an empty item
+            (:func:`comma_items`), a value < 1 or one twice; the message names ``name``.
     """
+    items = comma_items(text, name)
     try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
+        values = [int(x) for x in items]
     except ValueError:
         raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
@@ -91,11 +107,13 @@ def parse_float_list(text: str, name: str = "value") -> list[float]:
     """``"2,3,5"`` -> ``[2.0, 3.0, 5.0]`` (target speedups; may be empty: ``""``).
 
     Raises:
-        ValueError: ``text`` is not comma-separated numbers, or holds a value <= 1 (full depth
-            is always measured) or one twice (``2,2.0``); the message names ``name``.
+        ValueError: ``text`` is not comma-separated numbers, or holds an empty item
+            (:func:`comma_items`), a value <= 1 (full depth is always measured) or one twice
+            (``2,2.0``); the message names ``name``.
     """
+    items = comma_items(text, name)
     try:
-        values = [float(x) for x in str(text).split(",") if x.strip()]
+        values = [float(x) for x in items]
     except ValueError:
         raise ValueError(f"{name} must be comma-separated numbers, got {text!r}") from None
     if any(not v > 1 for v in values):
