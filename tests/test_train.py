@@ -610,6 +610,62 @@ def test_distill_answers_reused_from_another_run(tmp_path, monkeypatch):
     assert again == stored and result.data["distill_prompts"] == len(prompts) == len(stored)
 
 
+def test_teacher_answers_survive_a_killed_run(tmp_path, monkeypatch):
+    """A run killed while the teacher answers its prompts keeps the answers made so far
+    (``teacher_answers.partial.json``); started again it generates only the rest and trains on
+    the answers of an uninterrupted run. A stored file made with other settings is not reused."""
+    import skipdecode.training.prepare as prepare
+    from skipdecode.training.checkpoint import PARTIAL_ANSWERS
+
+    prompts = [e.prompt for e in examples()]
+    kw = dict(distill=True, kl_weight=0.5, distill_max_new_tokens=6, distill_batch_size=2, max_steps=3,
+              checkpoint_every=3, speedup=2.0)
+
+    def stored(run):
+        return json.loads((tmp_path / run / "checkpoint-00000003" / "train_state" / "distill_answers.json").read_text())
+
+    train(tiny_skipmodel("gpt2", chat=False), prompts, cfg(tmp_path / "whole", **kw))
+    whole = stored("whole")
+    assert not (tmp_path / "whole" / PARTIAL_ANSWERS).exists()  # gone once the run ended
+    real, batches = prepare.generate, []
+
+    def killed_at_second_batch(*args, **kwargs):
+        batches.append(list(args[2]))
+        if len(batches) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "generate", killed_at_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_skipmodel("gpt2", chat=False), prompts, cfg(tmp_path / "killed", **kw))
+    partial = json.loads((tmp_path / "killed" / PARTIAL_ANSWERS).read_text())
+    assert partial["answers"] == {p: whole[p] for p in batches[0]} and len(batches[0]) == 2
+    assert partial["settings"]["distill_max_new_tokens"] == 6
+    batches.clear()
+    monkeypatch.setattr(prepare, "generate", lambda *a, **k: batches.append(list(a[2])) or real(*a, **k))
+    train(tiny_skipmodel("gpt2", chat=False), prompts, cfg(tmp_path / "killed", **kw))
+    assert sorted(p for b in batches for p in b) == sorted(set(whole) - set(partial["answers"]))
+    assert stored("killed") == whole and not (tmp_path / "killed" / PARTIAL_ANSWERS).exists()
+    # made with other settings: ignored (its wrong answers would otherwise be trained on)
+    other = {"settings": dict(partial["settings"], distill_max_new_tokens=5), "answers": {p: [1] for p in whole}}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / PARTIAL_ANSWERS).write_text(json.dumps(other))
+    train(tiny_skipmodel("gpt2", chat=False), prompts, cfg(tmp_path / "other", **kw))
+    assert stored("other") == whole
+
+
+def test_teacher_answers_store_only_from_a_single_process():
+    """Each process answers only its shard, so storing answers batch by batch is refused with two."""
+    from types import SimpleNamespace
+
+    from skipdecode.training.prepare import teacher_answers
+
+    sk = tiny_skipmodel("gpt2", chat=False)
+    with pytest.raises(ValueError, match="single process"):
+        teacher_answers(sk.adapter, sk.tokenizer, ["a b"], chat=False, max_new_tokens=2, batch_size=1,
+                        accelerator=SimpleNamespace(num_processes=2, process_index=0), on_batch=print)
+
+
 def test_distill_answers_from_refuses_what_does_not_fit(tmp_path):
     sk = tiny_skipmodel("gpt2", chat=False)
     prompts = [e.prompt for e in examples()]

@@ -290,6 +290,44 @@ def load_distill_answers(ckpt: Path) -> dict[str, list[int]]:
 ANSWER_FIELDS = ("distill_max_new_tokens", "chat", "response_separator")
 
 
+#: teacher answers stored batch by batch while they are generated (single process), so that a run
+#: killed before its first checkpoint does not generate them again (the first checkpoint stores
+#: them; the file goes when the run ends)
+PARTIAL_ANSWERS = "teacher_answers.partial.json"
+
+
+def load_partial_answers(out_dir: Path, settings: dict[str, Any]) -> dict[str, list[int]]:
+    """The teacher answers a killed run of ``out_dir`` stored (:data:`PARTIAL_ANSWERS`), when they
+    were made with the same ``settings`` (the :data:`ANSWER_FIELDS` and the base model); else {}.
+
+    An unreadable file or one made with other settings is ignored with a warning (it is rewritten
+    by the new answers), never an error: it only saves time."""
+    path = Path(out_dir) / PARTIAL_ANSWERS
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.warning("%s is unreadable: generating the teacher answers again", path)
+        return {}
+    if not isinstance(raw, dict) or not isinstance(raw.get("answers"), dict):
+        log.warning("%s holds no answers: generating the teacher answers again", path)
+        return {}
+    if raw.get("settings") != settings:
+        log.warning("%s was made with other settings (%s, now %s): generating the teacher answers again",
+                    path, raw.get("settings"), settings)
+        return {}
+    log.info("reusing %d teacher answers stored in %s", len(raw["answers"]), path)
+    return {k: list(v) for k, v in raw["answers"].items()}
+
+
+def save_partial_answers(out_dir: Path, settings: dict[str, Any], answers: dict[str, list[int]]) -> None:
+    """Store ``answers`` (prompt -> token ids) made with ``settings`` in ``out_dir`` atomically
+    (:data:`PARTIAL_ANSWERS`, read back by :func:`load_partial_answers`)."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(out_dir) / PARTIAL_ANSWERS, {"settings": settings, "answers": answers})
+
+
 def reuse_distill_answers(ckpt: str | os.PathLike, config: TrainConfig, needed: list[str]) -> dict[str, list[int]]:
     """Another run's stored teacher answers (``TrainConfig.distill_answers_from``) for the
     ``needed`` prompts (prompt -> token ids; the stored answers of other prompts are dropped).

@@ -477,3 +477,16 @@ def _build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[
             raise TrainConfigError(name, f"{rest} (model has {num_layers} layers)") from None
         raise TrainConfigError(field_of, f"{rest} (model has {num_layers} layers)") from None
 
+
+def resolve_device(device: str) -> str:
+    """``TrainConfig.device`` as a torch device name: ``auto`` is cuda when torch sees one, else cpu.
+
+    Raises:
+        TrainConfigError: (field ``device``) ``cuda`` without a CUDA device."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TrainConfigError("device", "is 'cuda' but torch sees no CUDA device")
+    return device

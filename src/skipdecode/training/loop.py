@@ -35,7 +35,7 @@ from ..policy import SkipPolicy
 from ..paths import first_existing, remove_new_empty_dirs
 from . import checkpoint as ck
 from .batching import Batch, TokenizedExample, _hash_examples, _Order, _policy_index, build_layer_mask, collate
-from .config import TrainConfig, TrainConfigError, build_policies
+from .config import TrainConfig, TrainConfigError, build_policies, resolve_device
 from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
@@ -49,14 +49,6 @@ __all__ = ["train"]
 log = ck.log
 
 
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise TrainConfigError("device", "is 'cuda' but torch sees no CUDA device")
-    return device
-
-
 class _Run:
     """One invocation of :func:`train`: its settings, data, model, optimizer and logs."""
 
@@ -66,7 +58,7 @@ class _Run:
 
         self.wall_start = time.perf_counter()
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         self.out_dir = Path(config.out_dir)
         if isinstance(model, SkipModel):
             self.sk = model
@@ -146,9 +138,14 @@ class _Run:
         hf_model = self.sk.model
         was_training = hf_model.training
         hf_model.to(self.accelerator.device).eval()
-        answers = teacher_answers(self.sk.adapter, self.tokenizer, needed, chat=self.chat,
-                                  max_new_tokens=c.distill_max_new_tokens, batch_size=c.distill_batch_size,
-                                  accelerator=self.accelerator)
+        settings = {**{name: getattr(c, name) for name in ck.ANSWER_FIELDS}, "base_model": self.base_name}
+        single = self.world == 1  # a killed single-process run keeps the answers it made
+        answers = teacher_answers(
+            self.sk.adapter, self.tokenizer, needed, chat=self.chat, max_new_tokens=c.distill_max_new_tokens,
+            batch_size=c.distill_batch_size, accelerator=self.accelerator,
+            done=ck.load_partial_answers(self.out_dir, settings) if single else None,
+            on_batch=(lambda made: ck.save_partial_answers(self.out_dir, settings, made)) if single else None,
+            progress=c.progress and self.main)
         hf_model.train(was_training)
         return answers
 
@@ -475,6 +472,7 @@ class _Run:
         self.accelerator.wait_for_everyone()
         if self.main:
             self.save_model(final_dir, end)
+            (self.out_dir / ck.PARTIAL_ANSWERS).unlink(missing_ok=True)  # the checkpoints hold them now
         self.accelerator.wait_for_everyone()
         if self.peft_model is not None:  # leave the caller's model plain, with the adapter merged in place
             self.peft_model.merge_and_unload()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..adapters import Adapter
 from ..data import DataError, Example, median_response_tokens
@@ -104,19 +104,38 @@ def choose_horizon(rd: RunData, config: TrainConfig, tokenizer: Any) -> int:
 
 
 def teacher_answers(adapter: Adapter, tokenizer: Any, prompts: list[str], *, chat: bool,
-                    max_new_tokens: int, batch_size: int, accelerator: Any) -> dict[str, list[int]]:
-    """Full-depth greedy answers (token ids, EOS included when produced) for ``prompts``,
-    generated in batches sharded over the processes."""
-    from accelerate.utils import gather_object
+                    max_new_tokens: int, batch_size: int, accelerator: Any,
+                    done: dict[str, list[int]] | None = None,
+                    on_batch: Callable[[dict[str, list[int]]], None] | None = None,
+                    progress: bool = False) -> dict[str, list[int]]:
+    """Full-depth greedy answers (prompt -> token ids, EOS included when produced) for ``prompts``,
+    generated in batches of ``batch_size`` prompts (shortest first) sharded over the processes.
 
-    ordered = sorted(prompts, key=len)
+    ``done`` holds answers already made (e.g. by a killed run, :func:`.checkpoint.load_partial_answers`):
+    its prompts are not generated again. ``on_batch`` (single process only) gets every answer so
+    far, ``done`` included, after each batch, so that a caller can store them
+    (:func:`.checkpoint.save_partial_answers`). ``progress`` shows a tqdm bar (batches).
+
+    Raises:
+        ValueError: ``on_batch`` with more than one process (each holds only its shard).
+    """
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    if on_batch is not None and accelerator.num_processes > 1:
+        raise ValueError("on_batch needs a single process (each process answers only its shard)")
+    given = {p: list(done[p]) for p in prompts if done and p in done}
+    ordered = sorted((p for p in dict.fromkeys(prompts) if p not in given), key=len)
     mine = ordered[accelerator.process_index::accelerator.num_processes]
     full = FullPolicy(adapter.num_layers)
     answers: list[tuple[str, list[int]]] = []
-    for start in range(0, len(mine), batch_size):
+    starts = range(0, len(mine), batch_size)
+    for start in tqdm(starts, desc="teacher answers", unit="batch", disable=not progress, dynamic_ncols=True):
         chunk = mine[start:start + batch_size]
         result = generate(adapter, tokenizer, chunk, policy=full, max_new_tokens=max_new_tokens, chat=chat)
         answers.extend(zip(chunk, result.token_ids))
+        if on_batch is not None:
+            on_batch({**given, **{p: list(ids) for p, ids in answers}})
     if accelerator.num_processes > 1:
         answers = gather_object(answers)
-    return {p: list(ids) for p, ids in answers}
+    return {**given, **{p: list(ids) for p, ids in answers}}
