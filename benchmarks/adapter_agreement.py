@@ -157,19 +157,20 @@ def _speedup_list(text: str) -> list[float]:
     return values
 
 
-def _schedule_list(text: str) -> list[tuple[int, int]]:
-    """``"25:7,25:9"`` as ``[(25, 7), (25, 9)]`` (max:min layers, the adapter's horizon; "" gives
-    none); argparse reports the error with the option's name. The model's own checks (bounds within
-    its layers) run when the policy is built."""
+def _schedule_list(text: str) -> list[tuple[int, int, int | None]]:
+    """``"25:7,25:10:32"`` as ``[(25, 7, None), (25, 10, 32)]``: MAX:MIN layers, and optionally the
+    decay horizon in tokens (None: the adapter's); "" gives none. argparse reports the error with
+    the option's name. The model's own checks (bounds within its layers) run when the policy is built."""
     out = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         parts = item.split(":")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) < int(parts[1]):
+        if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) < int(parts[1]):
             raise argparse.ArgumentTypeError(
-                f"takes comma-separated MAX:MIN layer pairs with MAX >= MIN >= 1, e.g. 25:7,25:9; got {text!r}")
-        out.append((int(parts[0]), int(parts[1])))
+                "takes comma-separated MAX:MIN layer pairs with MAX >= MIN >= 1, each optionally with :HORIZON "
+                f"tokens >= 1, e.g. 25:7,25:10:32; got {text!r}")
+        out.append((int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
     return out
 
 
@@ -215,7 +216,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also measure the adapted model under its checkpoint's own trained schedule")
     ap.add_argument("--schedules", default="", type=_schedule_list,
                     help="also measure the adapted model under these linear decays, MAX:MIN layers over the "
-                         "adapter's horizon (e.g. 25:7,25:9: the trained 25 -> 5 with a higher floor)")
+                         "adapter's horizon, or MAX:MIN:HORIZON over HORIZON tokens (e.g. 25:7,25:9: the trained "
+                         "25 -> 5 with a higher floor); the adapter's full-depth steps stay")
     ap.add_argument("--split", choices=["heldout", "train"], default="heldout",
                     help="prompt split to measure on; train: a seeded sample of --train-sample training prompts "
                          "(how well the adapter fits what it was taught, against held-out: how it generalizes)")
@@ -274,12 +276,13 @@ def _configs(ap: argparse.ArgumentParser, args: argparse.Namespace, stock, adapt
         p = adapted.policy
         label = f"trained {p.max_layers}->{p.min_layers}" if hasattr(p, "max_layers") else "trained (full)"
         configs.append((adapted_name, label, adapted, p, None))
-    for hi, lo in args.schedules:  # explicit decays, e.g. the trained schedule with a higher floor
+    for hi, lo, horizon in args.schedules:  # explicit decays, e.g. the trained schedule with a higher floor
+        item = f"{hi}:{lo}" + (f":{horizon}" if horizon else "")
         try:
-            p = adapted.policy_for(max_layers=hi, min_layers=lo)
+            p = adapted.policy_for(max_layers=hi, min_layers=lo, horizon=horizon)
         except ValueError as e:
-            ap.error(f"--schedules {hi}:{lo}: {e}")
-        configs.append((adapted_name, f"{hi}->{lo}", adapted, p, None))
+            ap.error(f"--schedules {item}: {e}")
+        configs.append((adapted_name, f"{hi}->{lo}" + (f" over {horizon}" if horizon else ""), adapted, p, None))
     configs.append((adapted_name, "full", adapted, FullPolicy(L), None))
     return configs
 

@@ -70,9 +70,10 @@ def test_limit_below_one_is_refused_before_any_loading(script, capsys):
 def test_schedules_option_parses_and_refuses_bad_values(script, capsys):
     """``--schedules`` takes MAX:MIN pairs with MAX >= MIN >= 1, "" for none; anything else exits 2
     naming the option, before any model loads."""
-    assert script._schedule_list("25:7, 25:9") == [(25, 7), (25, 9)]
+    assert script._schedule_list("25:7, 25:9") == [(25, 7, None), (25, 9, None)]
+    assert script._schedule_list("25:10:32") == [(25, 10, 32)]
     assert script._schedule_list("") == []
-    for bad in ("25", "7:25", "25:0", "a:b", "25:7:32"):
+    for bad in ("25", "7:25", "25:0", "a:b", "25:7:0", "25:7:32:1"):
         with pytest.raises(SystemExit) as exc:
             script.main(["--schedules", bad])
         assert exc.value.code == 2
