@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,12 @@ def run(sk, prompts: list[str], policy, *, max_new_tokens: int, batch_size: int)
     return {"texts": texts, "token_ids": ids, "mean_active_layers": layers / steps if steps else 0.0,
             "theoretical_speedup": sk.num_layers * steps / layers if layers else 1.0,
             "seconds": time.perf_counter() - t0}
+
+
+def command_line(argv: list[str]) -> str:
+    """The command that reruns this script with ``argv``, quoted for a POSIX shell (an empty
+    ``--speedups ''`` stays an argument)."""
+    return shlex.join(["python", "benchmarks/adapter_agreement.py", *argv])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -330,7 +337,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, adapter_path: Path
     m = adapter_prompts.manifest(train_rows, held_rows)["splits"]["heldout"]  # sha256 of the prompts measured
     shipped = args.adapter is None
     return {
-        "name": args.name, "command": " ".join(["python benchmarks/adapter_agreement.py", *(argv if argv is not None else sys.argv[1:])]),
+        "name": args.name, "command": command_line(argv if argv is not None else sys.argv[1:]),
         "model": skipdecode.DEFAULT_MODEL, "num_layers": num_layers, "horizon": horizon,
         "adapter": "skipdecode/skip_adapters/smollm2-135m-instruct (package data)" if shipped else rel(adapter_path),
         "adapter_sha256": _sha256_dir(adapter_path), "n_prompts": len(held_rows),

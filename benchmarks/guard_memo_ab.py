@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     result = {"benchmark": "guard_memo_ab", "model": "embedded SmolLM2-135M-Instruct", "batch_size": 1,
               "new_tokens": args.new_tokens, "speedup": args.speedup, "repeats": args.repeats, "threads": args.threads,
-              "torch": torch.__version__, "rows": rows, "command": "python benchmarks/guard_memo_ab.py " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__, "rows": rows, "command": shlex.join(["python", "benchmarks/guard_memo_ab.py", *sys.argv[1:]]),
               "results_file": os.path.relpath(path, ROOT)}
     report(result, path, plot, "\n".join(lines), [])
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 from contextlib import contextmanager
@@ -146,7 +147,7 @@ def main() -> None:
     result = {"benchmark": "mask_ab", "model": "embedded SmolLM2-135M-Instruct (stock weights)", "batch_size": 1,
               "quantize": args.quantize, "compile": not args.no_compile, "long_prompt": source,
               "new_tokens": args.new_tokens, "speedup": args.speedup, "repeats": args.repeats, "threads": args.threads,
-              "torch": torch.__version__, "rows": rows, "command": "python benchmarks/mask_ab.py " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__, "rows": rows, "command": shlex.join(["python", "benchmarks/mask_ab.py", *sys.argv[1:]]),
               "results_file": os.path.relpath(path, ROOT)}
     report(result, path, plot, table(rows), [])
 

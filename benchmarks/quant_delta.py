@@ -21,6 +21,7 @@ line. Exit status 2 with a one-line message on bad arguments or checkpoints.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(mode, f"{result[mode]['error_norm']:.3f}", f"{100 * result[mode]['kept_share']:.1f} %")
     Console().print(table)
     record = portable_record({"ckpt": args.ckpt, "with_adapter": args.with_adapter, "base": args.base or "embedded SmolLM2-135M-Instruct", **result,
-                              "command": "python benchmarks/quant_delta.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                              "command": shlex.join(["python", "benchmarks/quant_delta.py", *(sys.argv[1:] if argv is None else argv)]),
                               "output": args.output})
     path = Path(args.output)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ Exit status 2 with a one-line message on bad arguments, data or checkpoints.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generation_seconds": {"float32": sec_f, args.quantize: sec_q},
         "resident_bytes": {"float32": float_model.resident_bytes(), args.quantize: quant_model.resident_bytes()},
         "wall_seconds": time.perf_counter() - start,
-        "command": "python benchmarks/quant_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(["python", "benchmarks/quant_quality.py", *(sys.argv[1:] if argv is None else argv)]),
         "data": str(data),
         "examples": [{"float32": a, args.quantize: b} for a, b in list(zip(texts_f, texts_q))[:5]],
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['p_value']:.4f}")
     Console().print(table)
     record = portable_record({"baseline": args.baseline, "samples": args.samples, "comparisons": rows,
-                              "command": "python benchmarks/significance.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+                              "command": shlex.join(["python", "benchmarks/significance.py", *(sys.argv[1:] if argv is None else argv)])})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(dumps(record, indent=1) + "\n")
     print(dumps(record))

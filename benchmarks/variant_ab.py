@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -200,7 +201,7 @@ def main() -> None:
               "torch": torch.__version__, "rows": rows, "summary": summary, "layer_sweep": fits, "targets": targets,
               "compile_reports": {v: m.compile_report.to_dict() if getattr(m, "compile_report", None) else None
                                   for v, m in models.items()},
-              "command": "python benchmarks/variant_ab.py " + " ".join(sys.argv[1:]),
+              "command": shlex.join(["python", "benchmarks/variant_ab.py", *sys.argv[1:]]),
               "results_file": os.path.relpath(path, ROOT)}
     report(result, path, plot, "\n".join(lines), [])
 

@@ -78,3 +78,12 @@ def test_schedules_option_parses_and_refuses_bad_values(script, capsys):
             script.main(["--schedules", bad])
         assert exc.value.code == 2
         assert "argument --schedules: takes comma-separated MAX:MIN layer pairs" in capsys.readouterr().err
+
+
+def test_recorded_command_reruns_with_the_same_arguments(script):
+    """The results file's command, split by a shell, gives back every argument, the empty
+    ``--speedups ''`` included (it was written unquoted, so a rerun read the next option as its value)."""
+    import shlex
+
+    argv = ["--adapter", "runs/a b/final", "--speedups", "", "--trained-policy", "--max-new-tokens", "128"]
+    assert shlex.split(script.command_line(argv)) == ["python", "benchmarks/adapter_agreement.py", *argv]
