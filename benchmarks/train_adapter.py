@@ -150,9 +150,12 @@ def _add_install_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ship-horizon", default=None, type=int, metavar="T",
                     help="with --install / --reschedule: the shipped schedule's decay horizon (tokens) instead of "
                          "the trained one")
+    ap.add_argument("--ship-min-layers", default=None, type=int, metavar="LAYERS",
+                    help="with --install / --reschedule: the shipped schedule's floor instead of the trained one "
+                         "(e.g. a run trained at 25 -> 10 shipped at 25 -> 5)")
     ap.add_argument("--reschedule", action="store_true",
                     help="only change the schedule of the adapter installed in the package (--full-depth-steps, "
-                         "--ship-horizon; recorded in its skipdecode.json with --note), no retraining")
+                         "--ship-horizon, --ship-min-layers; recorded in its skipdecode.json with --note), no retraining")
     ap.add_argument("--note", default=None, help="with --reschedule: how the new schedule was chosen (stored)")
     ap.add_argument("--install-from", default=None, help="with --install: this folder instead of OUT/final "
                     "(e.g. OUT/checkpoint-00000120 of an unfinished run)")
@@ -265,10 +268,11 @@ def _reschedule(args: argparse.Namespace) -> int:
 
     try:
         changes = reschedule_adapter(SHIPPED_DIR / "smollm2-135m-instruct", full_depth_steps=args.full_depth_steps,
-                                     horizon=args.ship_horizon, note=args.note)
+                                     horizon=args.ship_horizon, note=args.note, min_layers=args.ship_min_layers)
     except (AdapterError, ValueError) as e:
         message = str(e)
-        for field, flag in (("full_depth_steps", "--full-depth-steps"), ("horizon", "--ship-horizon")):
+        for field, flag in (("full_depth_steps", "--full-depth-steps"), ("horizon", "--ship-horizon"),
+                            ("min_layers", "--ship-min-layers")):
             if message.startswith(field + " "):  # the library names its field: name the option
                 message = flag + message[len(field):]
         print(f"error: --reschedule: {message}", file=sys.stderr)
@@ -300,7 +304,8 @@ def _install(args: argparse.Namespace, out: Path) -> int:
     try:
         target = install_adapter(src, lora_format=args.lora_format, bridge_format=args.bridge_format,
                                  bridge_targets=args.bridge_targets, as_speedup=args.as_speedup,
-                                 full_depth_steps=args.full_depth_steps, horizon=args.ship_horizon)
+                                 full_depth_steps=args.full_depth_steps, horizon=args.ship_horizon,
+                                 min_layers=args.ship_min_layers)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     print(dumps({"installed": _rel(target),

@@ -63,6 +63,35 @@ def test_install_with_a_shipped_horizon(tmp_path, custom_run):
     assert not (tmp_path / "bad").exists()
 
 
+def test_install_and_reschedule_with_another_floor(tmp_path, custom_run, base_dir, monkeypatch, capsys):
+    """A run trained with one floor ships with another (``min_layers``, ``--ship-min-layers``):
+    every linear-decay schedule of the installed copy gets it, the change is recorded with the
+    trained value, a floor outside [warm-up layers, max layers] is refused naming the option."""
+    target = sa.install_adapter(custom_run, name="m", target_root=tmp_path, as_speedup=2, min_layers=3)
+    meta = json.loads((target / "skipdecode.json").read_text())
+    assert meta["policies"]["2"]["min_layers"] == meta["policy"]["min_layers"] == 3 != CUSTOM.min_layers
+    assert meta["storage"]["min_layers_changed"] == {"min_layers": 3, "trained_with": CUSTOM.min_layers}
+    policy = load(str(base_dir), adapter=str(target)).policy_for(speedup=2)
+    assert policy == LinearDecayPolicy(NUM_LAYERS, CUSTOM.max_layers, 3, 1, CUSTOM.horizon)
+    with pytest.raises(ValueError, match="min_layers must be in"):
+        sa.install_adapter(custom_run, name="bad", target_root=tmp_path, min_layers=CUSTOM.max_layers + 1)
+    assert not (tmp_path / "bad").exists()
+    sa.reschedule_adapter(target, min_layers=4)
+    meta = json.loads((target / "skipdecode.json").read_text())
+    assert meta["policy"]["min_layers"] == 4 and meta["storage"]["min_layers_changed"]["trained_with"] == CUSTOM.min_layers
+    from conftest import load_benchmark
+
+    monkeypatch.setattr(sa, "SHIPPED_DIR", tmp_path)
+    (tmp_path / "smollm2-135m-instruct").symlink_to(target)
+    script = load_benchmark("train_adapter")
+    assert script.main(["--reschedule", "--ship-min-layers", "2"]) == 0
+    assert json.loads((target / "skipdecode.json").read_text())["policy"]["min_layers"] == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--reschedule", "--ship-min-layers", "0"])
+    assert exc.value.code == 2 and "error: --reschedule: --ship-min-layers must be in" in capsys.readouterr().err
+
+
 def test_reschedule_adapter_changes_an_installed_schedule_in_place(tmp_path, custom_run, base_dir):
     target = sa.install_adapter(custom_run, name="r", target_root=tmp_path, as_speedup=2)
     changes = sa.reschedule_adapter(target, full_depth_steps=3, horizon=2, note="chosen by a probe")
@@ -79,7 +108,7 @@ def test_reschedule_adapter_changes_an_installed_schedule_in_place(tmp_path, cus
     for kw, match in (({"full_depth_steps": -2}, "full_depth_steps"), ({"horizon": 0}, "horizon")):
         with pytest.raises(ValueError, match=match):
             sa.reschedule_adapter(target, **kw)
-    with pytest.raises(sa.AdapterError, match="needs full_depth_steps or horizon"):
+    with pytest.raises(sa.AdapterError, match="needs full_depth_steps, horizon or min_layers"):
         sa.reschedule_adapter(target)
     with pytest.raises(sa.AdapterError, match="skipdecode.json"):
         sa.reschedule_adapter(tmp_path / "nowhere", horizon=2)

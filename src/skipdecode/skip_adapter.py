@@ -271,12 +271,14 @@ def _relabel_policy(meta: dict[str, Any], as_speedup: Any, src: Path) -> dict[st
     return {"from": old, "to": label}
 
 
-def _reschedule(meta: dict[str, Any], full_depth_steps: Any = None, horizon: Any = None) -> dict[str, dict]:
-    """Set ``full_depth_steps`` and/or ``horizon`` on ``meta``'s linear-decay ``policy`` and
-    ``policies`` (in place, checked by :class:`~skipdecode.policy.LinearDecayPolicy`, whose
-    ValueError names the field). Returns the storage records of what changed:
+def _reschedule(meta: dict[str, Any], full_depth_steps: Any = None, horizon: Any = None,
+                min_layers: Any = None) -> dict[str, dict]:
+    """Set ``full_depth_steps``, ``horizon`` and/or ``min_layers`` on ``meta``'s linear-decay
+    ``policy`` and ``policies`` (in place, checked by :class:`~skipdecode.policy.LinearDecayPolicy`,
+    whose ValueError names the field). Returns the storage records of what changed:
     ``{"full_depth_steps_added": {"k", "trained_with"}, "horizon_changed": {"horizon",
-    "trained_with"}}`` (only the keys given; ``trained_with`` is the run's value, k 0 when absent)."""
+    "trained_with"}, "min_layers_changed": {"min_layers", "trained_with"}}`` (only the keys given;
+    ``trained_with`` is the run's value, k 0 when absent)."""
     from .policy import policy_from_dict
 
     trained = meta.get("policy") or {}
@@ -286,21 +288,26 @@ def _reschedule(meta: dict[str, Any], full_depth_steps: Any = None, horizon: Any
                                              "trained_with": int(trained.get("full_depth_steps", 0))}
     if horizon is not None:
         changes["horizon_changed"] = {"horizon": horizon, "trained_with": trained.get("horizon")}
+    if min_layers is not None:
+        changes["min_layers_changed"] = {"min_layers": min_layers, "trained_with": trained.get("min_layers")}
     for policy in [meta.get("policy"), *(meta.get("policies") or {}).values()]:
         if isinstance(policy, dict) and policy.get("type") == "linear_decay":
             if full_depth_steps is not None:
                 policy["full_depth_steps"] = full_depth_steps
             if horizon is not None:
                 policy["horizon"] = horizon
+            if min_layers is not None:
+                policy["min_layers"] = min_layers
             policy_from_dict(policy)  # ValueError naming the field for a bad value
     return changes
 
 
 def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | None = None,
-                       horizon: int | None = None, note: str | None = None) -> dict[str, dict]:
+                       horizon: int | None = None, note: str | None = None,
+                       min_layers: int | None = None) -> dict[str, dict]:
     """Change the schedule of an installed skip adapter in place (no retraining): the
-    ``full_depth_steps`` (decode steps that run every layer, with the base weights) and/or the
-    decay ``horizon`` (tokens) of its linear-decay ``policy`` and ``policies`` in
+    ``full_depth_steps`` (decode steps that run every layer, with the base weights), the
+    decay ``horizon`` (tokens) and/or the floor ``min_layers`` of its linear-decay ``policy`` and ``policies`` in
     ``folder/skipdecode.json``, written atomically; the change is recorded under ``storage`` as
     :func:`install_adapter` records it (with ``note``, e.g. how the schedule was chosen). A later
     change of the same field keeps the run's original ``trained_with``.
@@ -309,14 +316,17 @@ def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | Non
         folder: an installed adapter folder (e.g. ``SHIPPED_DIR / "smollm2-135m-instruct"``).
         full_depth_steps: k >= 0, or None (unchanged).
         horizon: T >= 1 (tokens), or None (unchanged).
+        min_layers: the floor (layers, warm-up layers <= it <= the schedule's max layers), or None
+            (unchanged).
         note: free text stored with each change, or None (a change to the value already
             recorded keeps its note; another value drops it).
 
     Returns:
-        The storage records written (``full_depth_steps_added``, ``horizon_changed``).
+        The storage records written (``full_depth_steps_added``, ``horizon_changed``,
+        ``min_layers_changed``).
 
     Raises:
-        AdapterError: ``folder`` holds no ``skipdecode.json``, or neither field is given.
+        AdapterError: ``folder`` holds no ``skipdecode.json``, or no field is given.
         ValueError: a value out of range (the message names the field); nothing is written.
     """
     from .model import write_json_atomic
@@ -324,11 +334,11 @@ def reschedule_adapter(folder: str | os.PathLike, *, full_depth_steps: int | Non
     path = Path(folder) / _SKIP
     if not path.is_file():
         raise AdapterError(f"{folder}: no {_SKIP} (an installed skip adapter folder is needed)")
-    if full_depth_steps is None and horizon is None:
-        raise AdapterError("reschedule_adapter needs full_depth_steps or horizon")
+    if full_depth_steps is None and horizon is None and min_layers is None:
+        raise AdapterError("reschedule_adapter needs full_depth_steps, horizon or min_layers")
     meta = json.loads(path.read_text())
     storage = meta.setdefault("storage", {})
-    changes = _reschedule(meta, full_depth_steps, horizon)
+    changes = _reschedule(meta, full_depth_steps, horizon, min_layers)
     for key, change in changes.items():
         old = storage.get(key) or {}
         if "trained_with" in old:
@@ -346,7 +356,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
                     target_root: str | os.PathLike | None = None, *, lora_format: str = "float16",
                     bridge_format: str = "int8", bridge_targets: Sequence[int] | None = None,
                     as_speedup: float | None = None, full_depth_steps: int | None = None,
-                    horizon: int | None = None) -> Path:
+                    horizon: int | None = None, min_layers: int | None = None) -> Path:
     """Copy a finished LoRA run (``OUT/final`` of ``skipdecode train --lora-r``) into the package
     data as a shipped skip adapter: ``adapter_config.json``, the LoRA weights in ``lora_format``,
     an entry bridge when the run has one (:mod:`skipdecode.entry_bridge`) in ``bridge_format``,
@@ -375,6 +385,9 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
             retraining needed), recorded as ``storage.full_depth_steps_added``. None: unchanged.
         horizon: set this decay horizon (tokens) on the run's linear-decay schedules, recorded as
             ``storage.horizon_changed``. None: unchanged.
+        min_layers: set this floor (layers) on the run's linear-decay schedules, e.g. a run
+            trained at 25 -> 10 shipped at 25 -> 5, recorded as ``storage.min_layers_changed``.
+            None: unchanged.
 
     Returns:
         The installed folder (``target_root/name``, default ``SHIPPED_DIR/name``).
@@ -383,7 +396,8 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         AdapterError: ``run_final`` is not a LoRA adapter folder, or ``as_speedup`` is given for
             a run that trained more than one schedule (names the labels).
         ValueError: an unknown format, ``as_speedup`` not a number > 1, ``full_depth_steps``
-            not an integer >= 0 or ``horizon`` not an integer >= 1.
+            not an integer >= 0, ``horizon`` not an integer >= 1, or ``min_layers`` outside the
+            schedule's warm-up and max layers.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -399,7 +413,7 @@ def install_adapter(run_final: str | os.PathLike, name: str = "smollm2-135m-inst
         raise AdapterError(f"{src}: not a LoRA adapter folder (needs {_CONFIG} and {_WEIGHTS})")
     meta = read_adapter_config(src)
     relabelled = _relabel_policy(meta, as_speedup, src) if as_speedup is not None else None
-    changes = _reschedule(meta, full_depth_steps, horizon)
+    changes = _reschedule(meta, full_depth_steps, horizon, min_layers)
     root = Path(target_root) if target_root is not None else SHIPPED_DIR
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
