@@ -5,7 +5,8 @@ full-depth answers over the realised theoretical speedup, one point per (results
         benchmarks/results/adapter_agreement_long1_n128.json --name adapter_agreement_long
 
 Rows at full depth (the reference and an adapted model's ``full`` row) are left out: they score
-100 by construction. Writes ``NAME.md`` and ``NAME.png`` into ``--out`` (default:
+100 by construction; a stock-model row that another file already gave (same policy, answer length
+and score) is shown once, with adapter "none". Writes ``NAME.md`` and ``NAME.png`` into ``--out`` (default:
 benchmarks/results), prints the Markdown table and ends with one JSON line. Exit status 2 with a
 one-line message on a file that is missing or is not such a result.
 """
@@ -22,23 +23,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load_points(paths: list[Path]) -> list[dict]:
-    """The skipping rows of the results files ``paths``, each ``{"file", "adapter", "max_new_tokens",
+    """The skipping rows of the results files ``paths`` (repeated stock rows once), each ``{"file", "adapter", "max_new_tokens",
     "model", "policy", "rougeL", "exact", "first_divergence", "speedup"}`` (speedup: realised
     theoretical, L x decode steps / layers run; rougeL and exact in 0-100).
 
     Raises:
         ValueError: a file is unreadable, not JSON, or lacks the fields adapter_agreement.py writes
             (the message names the file)."""
-    points = []
+    points, seen = [], set()
     for path in paths:
         try:
             report = json.loads(Path(path).read_text())
             rows, n = report["rows"], report["max_new_tokens"]
             adapter = report.get("adapter") or "shipped adapter"
             for r in rows:
-                if r["policy"].get("type") == "full":
+                stock = r["model"].startswith("stock")
+                key = (r["model"], r["policy_label"], n, r["rougeL"])
+                if r["policy"].get("type") == "full" or (stock and key in seen):
                     continue
-                points.append({"file": Path(path).name, "adapter": adapter, "max_new_tokens": n, "model": r["model"],
+                seen.add(key)
+                points.append({"file": Path(path).name, "adapter": "none" if stock else adapter,
+                               "max_new_tokens": n, "model": r["model"],
                                "policy": r["policy_label"], "rougeL": r["rougeL"], "exact": r["exact"],
                                "first_divergence": r["first_divergence"], "speedup": r["theoretical_speedup"]})
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -56,6 +61,17 @@ def to_markdown(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def short_name(adapter: str) -> str:
+    """A plot label for an adapter: ``shipped`` (package data), ``stock`` (none), a run folder's
+    name for ``runs/NAME/final``, else the folder's own name."""
+    if "package data" in adapter:
+        return "shipped"
+    if adapter == "none":
+        return "stock"
+    path = Path(adapter)
+    return path.parent.name if path.name == "final" else path.name
+
+
 def plot(points: list[dict], path: Path) -> None:
     """ROUGE-L over realised speedup, a colour per answer length, each point labelled (PNG)."""
     import matplotlib
@@ -63,16 +79,16 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    fig, ax = plt.subplots(figsize=(8.0, 5.0))
     lengths = sorted({p["max_new_tokens"] for p in points})
     for i, n in enumerate(lengths):
         mine = [p for p in points if p["max_new_tokens"] == n]
         ax.scatter([p["speedup"] for p in mine], [p["rougeL"] for p in mine], s=22, color=f"C{i}",
                    label=f"at most {n} new tokens")
-        for p in mine:
-            name = Path(p["adapter"]).parent.name if p["adapter"].endswith("/final") else p["adapter"]
-            ax.annotate(f"{name}: {p['policy']}", (p["speedup"], p["rougeL"]), fontsize=6.5,
-                        xytext=(3, 3), textcoords="offset points")
+        for j, p in enumerate(sorted(mine, key=lambda q: -q["rougeL"])):
+            dx, dy, ha = ((6, 4, "left"), (6, -9, "left"), (-6, -3, "right"))[j % 3]  # neighbours apart
+            ax.annotate(f"{short_name(p['adapter'])}: {p['policy']}", (p["speedup"], p["rougeL"]), fontsize=6.5,
+                        xytext=(dx, dy), textcoords="offset points", ha=ha)
     ax.set_xlabel("realised theoretical speedup (x)")
     ax.set_ylabel("ROUGE-L vs stock full depth (held-out prompts)")
     ax.set_title("Skip adapters against the full-depth answers")

@@ -26,17 +26,20 @@ def _report(path, adapter, n, rows) -> None:
 def test_joins_the_skipping_rows_of_each_file(script, tmp_path, capsys):
     """Full-depth rows (100 by construction) are left out; every other row of every file is a
     table row and a point, labelled with its file, adapter and answer length."""
-    _report(tmp_path / "a.json", None, 128, [_row("full", "full", 100.0, 1.0), _row("2x", "linear_decay", 42.9, 3.75)])
+    stock = dict(_row("2x", "linear_decay", 11.2, 2.86), model="stock")
+    _report(tmp_path / "a.json", None, 128, [_row("full", "full", 100.0, 1.0), stock,
+                                             _row("2x", "linear_decay", 42.9, 3.75)])
     _report(tmp_path / "b.json", "runs/long/final", 40,
             [_row("full", "full", 100.0, 1.0), _row("trained 25->10", "linear_decay", 51.7, 2.14),
              _row("full", "full", 100.0, 1.0)])
-    assert script.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "o"),
-                        "--name", "j"]) == 0
+    _report(tmp_path / "c.json", "runs/other/final", 128, [stock])  # the same stock row again: shown once
+    assert script.main([str(tmp_path / f"{x}.json") for x in "abc"] + ["--out", str(tmp_path / "o"), "--name", "j"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out.strip().splitlines()[-1]) == {"name": "j", "points": 2, "best_rougeL": 51.7}
+    assert json.loads(out.strip().splitlines()[-1]) == {"name": "j", "points": 3, "best_rougeL": 51.7}
     md = (tmp_path / "o" / "j.md").read_text()
-    rows = [line for line in md.splitlines() if line.startswith("| a.json") or line.startswith("| b.json")]
-    assert rows == ["| a.json | shipped adapter | adapted | 2x | 128 | 10.0 % | 42.9 | 5.0 | 3.75x |",
+    rows = [line for line in md.splitlines() if line.startswith("| ") and ".json" in line]
+    assert rows == ["| a.json | none | stock | 2x | 128 | 10.0 % | 11.2 | 5.0 | 2.86x |",
+                    "| a.json | shipped adapter | adapted | 2x | 128 | 10.0 % | 42.9 | 5.0 | 3.75x |",
                     "| b.json | runs/long/final | adapted | trained 25->10 | 40 | 10.0 % | 51.7 | 5.0 | 2.14x |"]
     assert (tmp_path / "o" / "j.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -52,3 +55,10 @@ def test_a_file_that_is_not_a_result_exits_2_naming_it(script, tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         script.main([str(tmp_path / "f.json"), "--out", str(tmp_path / "o")])
     assert exc.value.code == 2 and "no skipping rows" in capsys.readouterr().err
+
+
+def test_short_names_for_the_plot(script):
+    assert script.short_name("skipdecode/skip_adapters/smollm2-135m-instruct (package data)") == "shipped"
+    assert script.short_name("none") == "stock"
+    assert script.short_name("runs/skip-adapter-long1/final") == "skip-adapter-long1"
+    assert script.short_name("runs/skip-adapter-long1/checkpoint-00000100") == "checkpoint-00000100"
