@@ -141,6 +141,19 @@ def test_streaming_output(runner, chain_dir):
     assert res.exit_code == 0, res.output
     assert TARGET in res.stdout
     assert "theoretical speedup" in res.stderr
+    # the statistics name the model's saved schedule in words, not as a Python dict
+    stats = " ".join(res.stderr.split())
+    assert f"policy 5 -> 2 of {NUM_LAYERS} layers over 4 tokens (warm-up 1)" in stats, res.stderr
+    assert "'type'" not in res.stderr
+
+
+def test_a_local_directory_loads_without_transformers_progress_bar(chain_dir, capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    load(str(chain_dir))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored for the caller's own loads
 
 
 def test_prompts_file_and_arguments_batch(runner, chain_dir, tmp_path):

@@ -231,6 +231,8 @@ def _stats_line(s: dict) -> str:
     read ``-`` when no decode step ran (a one-token answer: the prefill gave it)."""
     import math
 
+    from .info import describe_policy
+
     def fmt(value, spec: str) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -238,7 +240,8 @@ def _stats_line(s: dict) -> str:
     return (f"batch {s['batch_size']} | prompt {s['prompt_tokens']} tok ({s['cached_prompt_tokens']} cached) | "
             f"new {s['new_tokens']} tok | TTFT {s['prefill_seconds'] * 1000:.0f} ms | step {fmt(step_ms, '.1f')} ms | "
             f"{s['tokens_per_second']:.1f} tok/s | mean active layers {fmt(s['mean_active_layers'], '.2f')}/{s['num_layers']} | "
-            f"theoretical speedup {fmt(s['theoretical_speedup'], '.2f')}x | policy {escape(str(s['policy']))}")
+            f"theoretical speedup {fmt(s['theoretical_speedup'], '.2f')}x | "
+            f"policy {escape(describe_policy(s['policy'], s['num_layers'], by_step=False))}")
 
 
 @app.command(short_help="Summarise the model: layers, policy, schedules, skip adapter.")

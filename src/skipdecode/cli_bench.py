@@ -56,7 +56,7 @@ def bench(
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP + " The stock weights are what llama.cpp runs: the adapter costs speed on full-depth decode steps (its delta is taken out again) and with int4 (it stays a float LoRA path)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Benchmarks that one variant."),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
-    variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, e.g. float32,int8,int8+compile,int4+compile,w8a8+compile,head+compile (each row gets its memory floor; head: the LM head alone quantized); int8-unfused, int4-unfused+compile, ...: one product per projection instead of fused q/k/v and gate/up."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Several variants in one run, comma-separated: float32, int8, int8+compile, int4+compile, w8a8+compile, head+compile, ... (e.g. float32,w8a8+compile; each row gets its memory floor; head: the LM head alone quantized); int8-unfused, int4-unfused+compile, ...: one product per projection instead of fused q/k/v and gate/up."),
     llamacpp: Optional[str] = typer.Option(None, "--llamacpp", help="Add llama.cpp rows decoding this GGUF file ('default': the embedded model's): batch 1, and each batch size > 1 as that many sequences per llama_decode; needs the bench-llamacpp extra."),
 ) -> None:
     """Decode speed: per-step ms and tokens/s of full depth and each speedup vs HF generate; table + JSON."""

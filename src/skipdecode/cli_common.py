@@ -352,7 +352,8 @@ def command_line(ctx: typer.Context) -> str:
 
 MODEL_HELP = "HF model id, checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."
 #: Help of the sampling options that generate and chat share.
-TEMPERATURE_HELP = "Below 1e-5 (0 included) = greedy, as vLLM; otherwise samples."
+TEMPERATURE_HELP = ("Any value >= 0, as vLLM: below 1e-5 (0 included) = greedy, otherwise samples (the server, "
+                    "as OpenAI's API, takes 0-2).")
 TOP_K_HELP = "Keep the k most likely tokens (0: off)."
 TOP_P_HELP = "Nucleus mass in [0, 1] (1: off; 0: the most likely token only, i.e. greedy)."
 REPETITION_PENALTY_HELP = "Hugging Face's repetition penalty over prompt and output tokens (0.01..100; 1: off)."

@@ -123,11 +123,12 @@ def serve(
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
     import uvicorn
 
+    from .info import describe_policy
     from .server import create_app, uvicorn_options
 
     key_note = "; /v1/ requests need the API key" if api_key is not None else ""
-    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy {sk.policy.to_dict()}){key_note}",
-              markup=False)
+    policy = describe_policy(sk.policy.to_dict(), sk.num_layers)
+    err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy: {policy}){key_note}", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
                       stream_interval=stream_interval, api_key=api_key,

@@ -46,18 +46,19 @@ def model_info(sk: Any) -> dict[str, Any]:
             "skip_config": {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}}
 
 
-def describe_policy(policy: dict[str, Any] | None, num_layers: int) -> str:
+def describe_policy(policy: dict[str, Any] | None, num_layers: int, by_step: bool = True) -> str:
     """A policy dict (``SkipPolicy.to_dict()``) in words: ``"21 -> 9 of 30 layers over 32 tokens
     (warm-up 1)"`` for linear decay (prefixed ``"2 full-depth steps, then "`` with
-    ``full_depth_steps``) (METHOD.md Sec. 3), ``"full depth (30 layers)"`` for full depth,
-    else the dict as text."""
+    ``full_depth_steps``; followed by :func:`layers_by_step` unless ``by_step`` is False)
+    (METHOD.md Sec. 3), ``"full depth (30 layers)"`` for full depth, else the dict as text."""
     if not policy or policy.get("type") == "full":
         return f"full depth ({num_layers} layers)"
     if policy.get("type") == "linear_decay":
         first = (f"{policy['full_depth_steps']} full-depth steps, then "
                  if policy.get("full_depth_steps") else "")
+        steps = f"; {layers_by_step(policy)}" if by_step else ""
         return (f"{first}{policy['max_layers']} -> {policy['min_layers']} of {num_layers} layers over "
-                f"{policy['horizon']} tokens (warm-up {policy['warmup_layers']}); {layers_by_step(policy)}")
+                f"{policy['horizon']} tokens (warm-up {policy['warmup_layers']}){steps}")
     return str(policy)
 
 

@@ -10,6 +10,7 @@ dequantized float32 state dict, and caches it as a normal checkpoint (``SKIPDECO
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -486,9 +487,27 @@ def _check_weight_files(path: Path) -> None:
 
 
 def _from_pretrained(name: str, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    """Tokenizer and HF model of ``name``; a local directory loads without transformers' "Loading
+    weights" progress bar (under a second, and printed at every load, the cache's included)."""
     tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    with _quiet_progress(Path(name).is_dir()):
+        hf_model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kwargs)
     return hf_model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_progress(quiet: bool):
+    """Turn transformers' progress bars off inside the block when ``quiet`` (their state is restored)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if quiet and was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list[Path] | None,
