@@ -521,6 +521,9 @@ def report(result: dict, path: Path, plot_fn, table_text: str, summary: list[str
     """Write ``result`` to ``path`` (indented JSON) and its PNG beside it (``plot_fn(result,
     png_path)``), print the Markdown table, the summary lines (to ``summary_file``) and last the
     result as one JSON line (shared with benchmarks/engine_load.py)."""
+    from skipdecode.bench.runner import cpu_description
+
+    result.setdefault("cpu", cpu_description())  # hosts sold under one name differ (docs/serving.md)
     path.write_text(dumps(result, indent=2) + "\n")
     plot_fn(result, path.with_suffix(".png"))
     print(table_text)

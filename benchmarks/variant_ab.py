@@ -163,6 +163,7 @@ def main() -> None:
                          "layers at every step, and fit step time = fixed + per-layer x n")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    from skipdecode.bench.runner import cpu_description
     from skipdecode.bench_engines import parse_variants
 
     try:
@@ -198,7 +199,7 @@ def main() -> None:
     path = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     result = {"benchmark": "variant_ab", "model": "embedded SmolLM2-135M-Instruct (stock weights)", "batch_size": 1,
               "new_tokens": args.new_tokens, "speedup": args.speedup, "repeats": args.repeats, "threads": args.threads,
-              "torch": torch.__version__, "rows": rows, "summary": summary, "layer_sweep": fits, "targets": targets,
+              "torch": torch.__version__, "cpu": cpu_description(), "rows": rows, "summary": summary, "layer_sweep": fits, "targets": targets,
               "compile_reports": {v: m.compile_report.to_dict() if getattr(m, "compile_report", None) else None
                                   for v, m in models.items()},
               "command": shlex.join(["python", "benchmarks/variant_ab.py", *sys.argv[1:]]),

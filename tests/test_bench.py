@@ -264,3 +264,16 @@ def test_wall_target_leaves_out_rows_that_skipped_nothing():
     assert t["wall_over_theoretical"] == {"1/5x": 0.6} and t["wall_over_theoretical_met"] is False
     t = _targets([row("full", 1.0, 1.0), row("2x", 1.0, 0.99)])
     assert t["wall_over_theoretical"] == {} and t["wall_over_theoretical_met"] is None
+
+
+def test_cpu_description_reads_the_first_processor(tmp_path):
+    from skipdecode.bench.runner import cpu_description
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n\n"
+                    "processor\t: 1\ncpu family\t: 25\nmodel name\t: other\nflags\t\t: fpu\n")
+    assert cpu_description(info) == {"model_name": "AMD EPYC", "family": "26", "model": "2", "avx512": True}
+    info.write_text("cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_vnni\n")
+    assert cpu_description(info)["avx512"] is False  # avx512f itself, not any avx512 extension's name
+    assert cpu_description(tmp_path / "missing") == {}

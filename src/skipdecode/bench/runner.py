@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -324,6 +325,7 @@ def _meta(sk, batch_sizes, speedups, new_tokens, horizon, repeats, warmup, inclu
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_description(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "timing": (
             "step_ms = median over repeats of (last - first token timestamp) / (new_tokens - 1); ours: "
@@ -352,4 +354,20 @@ def _targets(rows: list[dict[str, Any]], ratio: float = 0.8) -> dict[str, Any]:
         "wall_over_theoretical": wall,
         "wall_over_theoretical_met": all(v >= ratio for v in wall.values()) if wall else None,
     }
+
+
+def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, Any]:
+    """The host CPU as /proc/cpuinfo names it (Linux; {} elsewhere): ``model_name``, ``family``
+    and ``model`` (AMD family 25 is Zen 3/4, 26 Zen 5), ``avx512`` (whether ``avx512f`` is among
+    its flags), so that results from hosts sold under one name ("AMD EPYC") can be told apart."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():  # the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return {"model_name": fields.get("model name"), "family": fields.get("cpu family"),
+            "model": fields.get("model"), "avx512": "avx512f" in fields.get("flags", "").split()}
 
