@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.fx.experimental._config  # use_duck_shape (compiled prefill)
 
+from . import decode_attention, guard_memo
 from .adapters.base import Adapter, call_layer
 from .cache import SkipCache
 from .guard_memo import GuardMemo
@@ -80,6 +81,9 @@ class CompileReport:
             batch-1 step takes and both times, e.g. ``{"chosen": "int4", "w8a8": 1.3, "int4":
             1.0}`` (milliseconds; :meth:`~skipdecode.rescored_head.RescoredHead.tune_one_row`);
             {} otherwise.
+        grouped_attention: mode "layers": the model's HF SDPA attention was switched to
+            :func:`~skipdecode.decode_attention.grouped_decode_attention` (one query per row on
+            the CPU as products over the key/value head groups; anything else still SDPA).
         memos: the :class:`~skipdecode.guard_memo.GuardMemo` of the decode-step layer call and
             of the head (mode "layers"); not serialised, counted by :meth:`guard_checks`.
     """
@@ -94,6 +98,7 @@ class CompileReport:
     prefill: bool = False
     prefill_error: str = ""
     head_one_row: dict[str, Any] = field(default_factory=dict)
+    grouped_attention: bool = False
     memos: list = field(default_factory=list, repr=False)
 
     def guard_checks(self) -> dict[str, int]:
@@ -106,6 +111,16 @@ class CompileReport:
         out = {k: v for k, v in self.__dict__.items() if k != "memos"}
         out["guard_checks"] = self.guard_checks()
         return out
+
+
+def _fall_back(adapter: Adapter, report: CompileReport, exc: BaseException) -> None:
+    """A compiled call failed: the model runs eagerly from now on, as it was before
+    :func:`compile_adapter` (HF's SDPA attention again), and ``report`` says why."""
+    report.enabled = False
+    report.error = _one_line(exc)
+    if report.grouped_attention:
+        decode_attention.disable(adapter.model)
+        report.grouped_attention = False
 
 
 def _one_line(exc: BaseException) -> str:
@@ -245,6 +260,9 @@ def compile_adapter(adapter: Adapter, backend: str = "inductor", check: bool = T
             m.compiled_kernel = m.fuses_when_compiled  # int4 with PyTorch's kernel: stays on it
         return CompileReport(enabled=True, mode="kernels", backend="inductor")
     report = CompileReport(enabled=True, mode="layers", backend=getattr(backend, "__name__", str(backend)))
+    report.grouped_attention = decode_attention.enable(adapter.model)
+    if report.grouped_attention:
+        guard_memo.invalidate()  # graphs traced before read the old attention function
     run = _layer_call(adapter, backend, report)
     report.prefill = True
     adapter.compiled_layer_call = run
@@ -312,8 +330,7 @@ def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callab
                 wrapped = None if cache is None else _EagerCacheWrite(cache)
                 return compiled(layer, hidden, attention_mask, wrapped, cache_kw, extra)
         except Exception as exc:  # compilation failed at run time: fall back for good
-            report.enabled = False
-            report.error = _one_line(exc)
+            _fall_back(adapter, report, exc)
             adapter.compiled_layer_call = None
             if lengths is not None:  # undo an eager cache write the failed call may have made
                 cache.restore_lengths(lengths)
@@ -449,8 +466,7 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
             hidden = hidden.contiguous()  # the prefill passes a strided last-position view
             return compiled(compiled.key(adapter.model, (hidden,)), adapter, hidden)
         except Exception as exc:
-            report.enabled = False
-            report.error = _one_line(exc)
+            _fall_back(adapter, report, exc)
             return eager_head(hidden)
 
     adapter.head = head

@@ -1,0 +1,104 @@
+"""Single-query attention over the key/value head groups, for compiled decode steps on the CPU.
+
+Why. A decode step gives each row one query. Hugging Face's SDPA attention
+(``transformers.integrations.sdpa_attention``), traced by ``torch.compile`` with a mask (every
+batch whose rows hold different lengths: left padding, in-flight rows of different ages), repeats
+each key/value head for its query heads (``repeat_kv``, a copy of the layer's keys and values per
+step; its single-query ``pack_gqa`` path is skipped under dynamo) and calls PyTorch's CPU flash
+kernel, whose per-call cost at one query is large against the work: on the 2-core AMD EPYC
+(family 26) test host, SmolLM2-135M (9 query heads over 3 key/value heads, head size 64), 16 rows
+of about 100 keys took 240-360 us a layer call inside compiled w8a8 decode steps, a fifth of the
+step. Computing the step as two batched products over the groups, ``softmax(q k^T * scale + mask) v``
+with the query heads of one key/value head stacked as rows (the grouping of
+``pack_gqa`` and of SDPA's ``enable_gqa``), reads each key once and lets inductor fuse the scaling,
+mask and softmax: in a static batch of 16 rows the compiled w8a8 step fell from 25.7 to 20.3 ms
+at full depth and 14.7 to 11.9 ms under the 2x policy, float32 + compile from 35.5 to 32.4 and
+20.5 to 18.3, with the same greedy tokens in float32 (docs/serving.md, stop 54).
+
+What. :func:`grouped_decode_attention` is an attention function in Hugging Face's
+``AttentionInterface`` signature. One query per row on the CPU, no dropout, no position bias and
+no soft-capping: the grouped products above (same values as SDPA up to float32 summation order).
+Anything else (prefills and teacher forcing, several queries per row; other devices; training
+dropout): Hugging Face's own ``sdpa_attention_forward``, unchanged. :func:`enable` switches a
+model that runs HF's ``"sdpa"`` to it (``compile=True`` does, :mod:`skipdecode.compiled`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["NAME", "disable", "enable", "grouped_decode_attention"]
+
+#: the name under which :func:`grouped_decode_attention` is registered with ``AttentionInterface``
+NAME = "skipdecode_grouped_decode"
+
+
+def grouped_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` (B, H, T, D) over ``key``/``value`` (B, H_kv, K, D), H a multiple of
+    H_kv, with an additive float or boolean ``attention_mask`` broadcastable to (B, H, T, K)
+    (True = may attend), returning ``(output (B, T, H, D), None)`` as Hugging Face's attention
+    functions do.
+
+    T = 1 on the CPU without dropout, ``position_bias`` or ``softcap``: query head ``h`` attends
+    with key/value head ``h // (H / H_kv)`` (HF's ``repeat_kv`` order), ``softmax(q k^T * s +
+    mask) v`` with ``s = scaling`` or ``D ** -0.5`` (Vaswani et al. 2017, Eq. 1), computed as
+    (B, H_kv, H / H_kv, K) products. Otherwise ``transformers``' ``sdpa_attention_forward``.
+
+    Raises:
+        ValueError: from ``sdpa_attention_forward`` for what it refuses (e.g. ``softcap``).
+    """
+    if (query.shape[2] != 1 or query.device.type != "cpu" or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    B, H, _, D = query.shape
+    H_kv, K = key.shape[1], key.shape[2]
+    G = H // H_kv
+    q = query.reshape(B, H_kv, G, D)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)
+    if attention_mask is not None:
+        mask = attention_mask[..., :K]
+        if mask.dim() == 4 and mask.shape[1] == H and H != H_kv:  # a mask per query head
+            mask = mask.reshape(mask.shape[0], H_kv, G, K)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    out = torch.matmul(scores.softmax(-1), value)  # (B, H_kv, G, D)
+    return out.reshape(B, 1, H, D), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, grouped_decode_attention)
+
+
+def enable(model: nn.Module) -> bool:
+    """Run ``model``'s attention through :func:`grouped_decode_attention` when it runs Hugging
+    Face's ``"sdpa"`` (``model.set_attn_implementation``); other implementations (``"eager"``, a
+    custom one) are left alone. Returns whether it switched. The name is not saved with the
+    model (``save_pretrained`` writes no attention implementation)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False
+    _register()
+    model.set_attn_implementation(NAME)
+    return True
+
+
+def disable(model: nn.Module) -> bool:
+    """Undo :func:`enable`: a model running :func:`grouped_decode_attention` goes back to Hugging
+    Face's ``"sdpa"``. Returns whether it switched."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != NAME:
+        return False
+    model.set_attn_implementation("sdpa")
+    return True
