@@ -56,12 +56,14 @@ def test_one_query_equals_hf_sdpa(H, H_kv, mask_kind, scaling):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_several_queries_and_dropout_are_hf_sdpa_exactly():
+def test_several_queries_no_mask_and_dropout_are_hf_sdpa_exactly():
     q, k, v = _inputs(2, 6, 2, 4, 4)
     module = Heads(3)
     want, _ = sdpa_attention_forward(module, q, k, v, None)
     assert torch.equal(grouped_decode_attention(module, q, k, v, None)[0], want)  # a prefill
     q1 = q[:, :, -1:]
+    want, _ = sdpa_attention_forward(module, q1, k, v, None)
+    assert torch.equal(grouped_decode_attention(module, q1, k, v, None)[0], want)  # an unmasked step
     torch.manual_seed(0)
     want, _ = sdpa_attention_forward(module, q1, k, v, None, dropout=0.5)
     torch.manual_seed(0)

@@ -16,10 +16,11 @@ at full depth and 14.7 to 11.9 ms under the 2x policy, float32 + compile from 35
 20.5 to 18.3, with the same greedy tokens in float32 (docs/serving.md, stop 54).
 
 What. :func:`grouped_decode_attention` is an attention function in Hugging Face's
-``AttentionInterface`` signature. One query per row on the CPU, no dropout, no position bias and
-no soft-capping: the grouped products above (same values as SDPA up to float32 summation order).
-Anything else (prefills and teacher forcing, several queries per row; other devices; training
-dropout): Hugging Face's own ``sdpa_attention_forward``, unchanged. :func:`enable` switches a
+``AttentionInterface`` signature. One query per row with a mask, on the CPU, no dropout, no
+position bias and no soft-capping: the grouped products above (same values as SDPA up to float32
+summation order). Anything else (prefills and teacher forcing, several queries per row; steps
+without a mask, where SDPA groups the heads itself; other devices; training dropout): Hugging
+Face's own ``sdpa_attention_forward``, unchanged. :func:`enable` switches a
 model that runs HF's ``"sdpa"`` to it (``compile=True`` does, :mod:`skipdecode.compiled`).
 """
 
@@ -45,16 +46,19 @@ def grouped_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.
     (True = may attend), returning ``(output (B, T, H, D), None)`` as Hugging Face's attention
     functions do.
 
-    T = 1 on the CPU without dropout, ``position_bias`` or ``softcap``: query head ``h`` attends
+    T = 1 with a mask, on the CPU, without dropout, ``position_bias`` or ``softcap``: query head ``h`` attends
     with key/value head ``h // (H / H_kv)`` (HF's ``repeat_kv`` order), ``softmax(q k^T * s +
     mask) v`` with ``s = scaling`` or ``D ** -0.5`` (Vaswani et al. 2017, Eq. 1), computed as
-    (B, H_kv, H / H_kv, K) products. Otherwise ``transformers``' ``sdpa_attention_forward``.
+    (B, H_kv, H / H_kv, K) products. Otherwise ``transformers``' ``sdpa_attention_forward``
+    (without a mask, a batch-1 step: SDPA's own grouped-query path, ``enable_gqa``, copies
+    nothing, and was 1-2 % faster there in float32).
 
     Raises:
         ValueError: from ``sdpa_attention_forward`` for what it refuses (e.g. ``softcap``).
     """
-    if (query.shape[2] != 1 or query.device.type != "cpu" or dropout or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("output_attentions")):
+    if (query.shape[2] != 1 or attention_mask is None or query.device.type != "cpu" or dropout
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("output_attentions")):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
