@@ -68,14 +68,13 @@ def grouped_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.
     G = H // H_kv
     q = query.reshape(B, H_kv, G, D)
     scores = torch.matmul(q, key.transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)
-    if attention_mask is not None:
-        mask = attention_mask[..., :K]
-        if mask.dim() == 4 and mask.shape[1] == H and H != H_kv:  # a mask per query head
-            mask = mask.reshape(mask.shape[0], H_kv, G, K)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
+    mask = attention_mask[..., :K]
+    if mask.dim() == 4 and mask.shape[1] == H and H != H_kv:  # a mask per query head
+        mask = mask.reshape(mask.shape[0], H_kv, G, K)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
     out = torch.matmul(scores.softmax(-1), value)  # (B, H_kv, G, D)
     return out.reshape(B, 1, H, D), None
 

@@ -11,8 +11,8 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Sequence
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
