@@ -150,10 +150,15 @@ def test_streaming_output(runner, chain_dir):
 def test_a_local_directory_loads_without_transformers_progress_bar(chain_dir, capfd):
     from transformers.utils import logging as hf_logging
 
-    assert hf_logging.is_progress_bar_enabled()
-    load(str(chain_dir))
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled()  # restored for the caller's own loads
+    was_on = hf_logging.is_progress_bar_enabled()  # another test may have turned it off
+    hf_logging.enable_progress_bar()
+    try:
+        load(str(chain_dir))
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()  # restored for the caller's own loads
+    finally:
+        if not was_on:
+            hf_logging.disable_progress_bar()
 
 
 def test_prompts_file_and_arguments_batch(runner, chain_dir, tmp_path):
