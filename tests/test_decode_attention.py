@@ -70,6 +70,51 @@ def test_several_queries_no_mask_and_dropout_are_hf_sdpa_exactly():
     assert torch.equal(grouped_decode_attention(module, q1, k, v, None, dropout=0.5)[0], want)
 
 
+def _compiled_graphs(fn, *args):
+    """Run ``fn(*args)`` under ``torch.compile`` (no inductor: the traced graph as is); returns
+    its result and the set of op names of each graph traced."""
+    torch._dynamo.reset()
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes})
+        return gm.forward
+
+    return torch.compile(fn, backend=recording, fullgraph=True)(*args), seen
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "bool", "per head"])
+def test_several_queries_in_a_compiled_graph_equal_hf_sdpa(mask_kind):
+    """A compiled prefill (T queries per row, a padding mask) takes the grouped products, with
+    SDPA's values; outside a compiled graph the same call is SDPA itself."""
+    B, H, H_kv, T, K = 3, 9, 3, 5, 8
+    q, k, v = _inputs(B, H, H_kv, T, K)
+    mask = _masks(B, T, K, H)[mask_kind]
+    module = Heads(H // H_kv)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask)
+    got, graphs = _compiled_graphs(lambda *a: grouped_decode_attention(module, *a)[0], q, k, v, mask)
+    assert got.shape == want.shape == (B, T, H, q.shape[-1])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert len(graphs) == 1 and not any("scaled_dot_product" in x for x in graphs[0])
+    assert torch.equal(grouped_decode_attention(module, q, k, v, mask)[0], want)  # eager: SDPA
+
+
+def test_several_queries_beyond_max_scores_stay_on_sdpa(monkeypatch):
+    """A prefill with more than MAX_SCORES scores per head (a long prompt) keeps SDPA's kernel,
+    which never holds the whole (T, K) matrix, even compiled."""
+    B, H, H_kv, T, K = 2, 4, 2, 4, 6
+    q, k, v = _inputs(B, H, H_kv, T, K)
+    mask = _masks(B, T, K, H)["additive"]
+    module = Heads(2)
+    monkeypatch.setattr(decode_attention, "MAX_SCORES", T * K - 1)
+    got, graphs = _compiled_graphs(lambda *a: grouped_decode_attention(module, *a)[0], q, k, v, mask)
+    assert any("scaled_dot_product" in x for x in graphs[0])
+    torch.testing.assert_close(got, sdpa_attention_forward(module, q, k, v, mask)[0], rtol=0, atol=1e-6)
+    monkeypatch.setattr(decode_attention, "MAX_SCORES", T * K)  # at the limit: grouped
+    _, graphs = _compiled_graphs(lambda *a: grouped_decode_attention(module, *a)[0], q, k, v, mask)
+    assert not any("scaled_dot_product" in x for x in graphs[0])
+
+
 def test_enable_switches_only_sdpa_models_and_disable_restores(tmp_path):
     model = make_model("llama")
     assert decode_attention.enable(model) and model.config._attn_implementation == NAME
@@ -108,8 +153,8 @@ def test_grouped_attention_gives_sdpa_tokens_in_every_family(family):
 
 
 def test_compiled_decode_steps_trace_the_grouped_products_not_sdpa():
-    """compile=True switches the model; decode-step graphs then hold no SDPA call (the prefill's
-    still does), and the report says so."""
+    """compile=True switches the model; decode-step graphs, and the compiled prefill's of short
+    prompts, then hold no SDPA call, and the report says so."""
     seen = []
 
     def recording(gm, example_inputs):

@@ -43,6 +43,16 @@ def test_memoised_calls_equal_eager_and_skip_most_checks(tokenizer):
     assert report.to_dict()["guard_checks"] == after
 
 
+def test_prefill_layer_calls_skip_the_check_after_the_first_layer(tokenizer):
+    """A compiled prefill's layers share one signature: the first layer's call is checked, the
+    others run the code it chose (each layer's very first prefill runs eagerly, to learn its
+    cache geometry)."""
+    eager, compiled, report = _pair(tokenizer)
+    prefill = next(m for m in report.memos if m.name == "_prefill_layer")
+    assert_equal_runs(eager, compiled)  # two compiled runs: an eager prefill, then a compiled one
+    assert prefill.checked >= 1 and prefill.direct >= 3 * prefill.checked  # 4 layers
+
+
 def _gelu_in_layer_one(model):
     model.model.layers[1].mlp.act_fn = nn.GELU()
 

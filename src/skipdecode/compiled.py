@@ -289,7 +289,8 @@ def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callab
     compiled = torch.compile(call_layer, backend=backend, dynamic=None)
     traced = GuardMemo(_decode_layer, torch.compile(_decode_layer, backend=backend, dynamic=None))
     report.memos.append(traced)
-    traced_prefill = torch.compile(_prefill_layer, backend=backend, dynamic=None)
+    traced_prefill = GuardMemo(_prefill_layer, torch.compile(_prefill_layer, backend=backend, dynamic=None))
+    report.memos.append(traced_prefill)
     limit = 2 * adapter.num_layers + 8
     index_of = _layer_indices(adapter)
     # made once: entering a ready patch costs about 15 us a layer call, building one 34 us
@@ -364,10 +365,15 @@ def _prefill_call(report: CompileReport, index_of: dict[int, int], traced_prefil
                 kv_like[layer_idx] = (cache.keys[layer_idx][:1, :, :1].clone(), cache.values[layer_idx][:1, :, :1].clone())
             return out
         extra = {k: _canonical(v) for k, v in extra.items()}
-        _mark_dynamic(hidden, attention_mask, extra, write, prefill=True)
+        args = (layer, hidden, attention_mask, write.keys, write.values, cache_kw, extra)
+        key = traced_prefill.key(layer, args[1:])
         try:
-            with limits, prefill_shapes:
-                out = traced_prefill(layer, hidden, attention_mask, write.keys, write.values, cache_kw, extra)
+            if traced_prefill.ready(key):  # the first layer of this prefill was checked: the rest go direct
+                out = traced_prefill(key, *args)
+            else:
+                _mark_dynamic(hidden, attention_mask, extra, write, prefill=True)
+                with limits, prefill_shapes:
+                    out = traced_prefill(key, *args)
         except Exception as exc:  # the lengths were not bumped: the eager call writes the same positions
             report.prefill = False
             report.prefill_error = _one_line(exc)
