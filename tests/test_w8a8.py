@@ -171,17 +171,34 @@ def test_onednn_copy_gives_fbgemms_integers_for_prefills_only(monkeypatch):
     assert torch.equal(layer(many), want_many) and len(calls) == 2
 
 
-def test_onednn_enable_copies_the_decoder_layers_not_the_heads_preview():
+def test_onednn_enable_copies_the_decoder_layers_for_prefills_and_the_heads_preview_for_8_rows(monkeypatch):
+    """Decoder layers take oneDNN from ONEDNN_MIN_ROWS rows (prefills), the head's W8A8 preview
+    from HEAD_ONEDNN_MIN_ROWS (8 rows and the guard row: batched decode steps), with FBGEMM's
+    integers either way; the bytes count both copies."""
     from skipdecode import onednn
 
     model = quantize_model(make_model("llama"), "w8a8")
-    preview = model.get_output_embeddings().row_preview
+    head = model.get_output_embeddings()
+    preview = head.row_preview
     in_layers = [m for m in model.model.layers.modules() if isinstance(m, W8A8Linear)]
+    torch.manual_seed(0)
+    rows = {n: torch.randn(n, head.in_features) for n in (w8a8.HEAD_ONEDNN_MIN_ROWS - 2, w8a8.HEAD_ONEDNN_MIN_ROWS - 1)}
+    want = {n: head.preview_logits(x) for n, x in rows.items()}
     before = resident_bytes(model)["quantized"]
-    assert onednn.enable(model) == len(in_layers) > 0
-    assert all(m.onednn_packed is not None for m in in_layers) and preview.onednn_packed is None
-    assert resident_bytes(model)["quantized"] == before + sum(m.out_features * m.in_features for m in in_layers)
-    assert onednn.disable(model) == len(in_layers) and resident_bytes(model)["quantized"] == before
+    assert onednn.enable(model) == len(in_layers) + 1 and len(in_layers) > 0
+    assert all(m.onednn_packed is not None and m.onednn_min_rows == w8a8.ONEDNN_MIN_ROWS for m in in_layers)
+    assert preview.onednn_packed is not None and preview.onednn_min_rows == w8a8.HEAD_ONEDNN_MIN_ROWS
+    copies = sum(m.out_features * m.in_features for m in [*in_layers, preview])
+    assert resident_bytes(model)["quantized"] == before + copies
+    calls = _count_onednn(monkeypatch)
+    for n, x in rows.items():  # the guard row makes n + 1 product rows
+        assert torch.equal(head.preview_logits(x), want[n])
+    assert calls == [w8a8.HEAD_ONEDNN_MIN_ROWS]  # only the 8-row preview went to oneDNN
+    copied = copy.deepcopy(preview)  # a copy keeps its threshold
+    assert copied.onednn_packed is not None and copied.onednn_min_rows == w8a8.HEAD_ONEDNN_MIN_ROWS
+    assert onednn.disable(model) == len(in_layers) + 1 and resident_bytes(model)["quantized"] == before
+    with pytest.raises(ValueError, match="min_rows"):
+        preview.enable_onednn(0)
 
 
 def test_inflight_rows_equal_solo_and_compiled_equals_eager(tmp_path, tokenizer, monkeypatch):

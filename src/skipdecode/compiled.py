@@ -72,7 +72,8 @@ class CompileReport:
         error: why compilation is unavailable, one line ("" when enabled).
         onednn_layers: linears with a oneDNN copy of their weights (:mod:`skipdecode.onednn`;
             mode "layers" only): float32 ones use it from 3 rows, W8A8 ones of the decoder
-            layers from 64 (prefills, :data:`skipdecode.w8a8.ONEDNN_MIN_ROWS`).
+            layers from 64 (prefills, :data:`skipdecode.w8a8.ONEDNN_MIN_ROWS`), an LM head's
+            W8A8 preview from 9 (:data:`skipdecode.w8a8.HEAD_ONEDNN_MIN_ROWS`).
         prefill: mode "layers": prefill layer calls (several new tokens per row, no gradient)
             run compiled too; False once a prefill compile failed (the decode steps stay
             compiled; ``prefill_error`` says why).

@@ -125,10 +125,11 @@ def enable(model: nn.Module) -> int:
     """Pack the weight of every float32 CPU :class:`~skipdecode.layout.WeightLeftLinear` of
     ``model`` for oneDNN and mark the layer (``onednn = True``), so that its products of
     :data:`MIN_ROWS` or more rows use the packed copy; and give every
-    :class:`~skipdecode.w8a8.W8A8Linear` of a decoder layer its oneDNN int8 copy for prefills
-    (:meth:`~skipdecode.w8a8.W8A8Linear.enable_onednn`; an LM head's W8A8 preview never takes
-    that many rows). A weight shared by two layers is packed once per layer. Costs a second copy
-    of those weights (module docstring).
+    :class:`~skipdecode.w8a8.W8A8Linear` its oneDNN int8 copy
+    (:meth:`~skipdecode.w8a8.W8A8Linear.enable_onednn`): a decoder layer's for prefills
+    (:data:`~skipdecode.w8a8.ONEDNN_MIN_ROWS` rows), an LM head's W8A8 preview for decode steps
+    of 8 or more rows (:data:`~skipdecode.w8a8.HEAD_ONEDNN_MIN_ROWS`). A weight shared by two
+    layers is packed once per layer. Costs a second copy of those weights (module docstring).
 
     Returns:
         The number of layers enabled; 0 when oneDNN is unavailable here (:func:`available`) or
@@ -136,7 +137,7 @@ def enable(model: nn.Module) -> int:
     """
     from .layout import WeightLeftLinear
     from .rescored_head import RescoredHead
-    from .w8a8 import W8A8Linear
+    from .w8a8 import HEAD_ONEDNN_MIN_ROWS, W8A8Linear
 
     if not available()[0]:
         return 0
@@ -144,7 +145,7 @@ def enable(model: nn.Module) -> int:
     previews = {id(m.row_preview) for m in model.modules() if isinstance(m, RescoredHead)}
     for module in model.modules():
         if isinstance(module, W8A8Linear):
-            count += id(module) not in previews and module.enable_onednn()
+            count += module.enable_onednn(HEAD_ONEDNN_MIN_ROWS if id(module) in previews else None)
             continue
         if type(module) is not WeightLeftLinear:
             continue

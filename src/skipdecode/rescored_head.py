@@ -182,12 +182,13 @@ class RescoredHead(nn.Module):
 
     def step_read_bytes(self, rows: int) -> int:
         """Bytes one float32 decode step of ``rows`` rows reads from this head: the whole preview
-        (:attr:`row_preview`'s packed int8 weight and scales where it exists, else, and at one row
+        (:attr:`row_preview`'s int8 weight, one packed copy, and scales where it exists, else, and at one row
         when :attr:`one_row_preview` is "int4", the int4 codes, scales and zeros, bias) plus ``k``
         int8 rows and their scales per row."""
         int4_row = rows == 1 and self.one_row_preview == "int4" and self.preview is not None
-        if self.row_preview is not None and not int4_row:
-            preview = self.row_preview.packed_nbytes() + self.exact.scale.numel() * self.exact.scale.element_size()
+        if self.row_preview is not None and not int4_row:  # one N x K copy of the codes (FBGEMM's or oneDNN's)
+            rp = self.row_preview
+            preview = rp.out_features * rp.in_features + self.exact.scale.numel() * self.exact.scale.element_size()
         else:
             preview = sum(t.numel() * t.element_size() for t in [*self.preview.buffers(), *self.preview.parameters()])
         per_row = self.in_features + self.exact.scale.element_size()

@@ -154,6 +154,12 @@ def _w8a8_linear_fake(codes: torch.Tensor, key: torch.Tensor, scale: torch.Tenso
 #: against 204 at 64 rows; FBGEMM is as fast or faster up to about 33 rows and at one row
 #: (21 against 34 us), so decode steps stay on it.
 ONEDNN_MIN_ROWS = 64
+#: the same threshold for an LM head's W8A8 preview (:class:`~skipdecode.rescored_head.RescoredHead`,
+#: 49152 x 576 for SmolLM2-135M), whose products are wide enough that oneDNN wins from a few rows:
+#: on the 2-core AMD EPYC (family 26) host, 2 threads, caches flushed before each call, 1.05
+#: against 1.17-1.38 ms at 8 rows, 1.46 against 1.76 at 16, 2.32 against 2.91-3.26 at 32, and
+#: 1.03 against 0.93-1.06 at 4 (stop 55); so batched decode steps of 8 or more rows use it
+HEAD_ONEDNN_MIN_ROWS = 9
 
 
 @functools.lru_cache(maxsize=1)
@@ -195,7 +201,7 @@ class W8A8Linear(nn.Module):
     codes live in FBGEMM's packed weight only (``self.packed``, N x K bytes, counted by
     :func:`skipdecode.quantize.resident_bytes` through :meth:`packed_nbytes`), and after
     :meth:`enable_onednn` in a second copy for oneDNN (``self.onednn_packed``, products of
-    :data:`ONEDNN_MIN_ROWS` or more rows). ``forward``:
+    ``onednn_min_rows`` or more rows: :data:`ONEDNN_MIN_ROWS`, or what ``enable_onednn`` was given). ``forward``:
     (..., K) float32 -> (..., N), every position quantized on its own.
 
     Raises:
@@ -252,21 +258,33 @@ class W8A8Linear(nn.Module):
     def _matmul(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes`` (M, K) float32 or uint8 holding 7-bit codes, the guard row included -> (M, N)
         float32 ``s_n sum_k u q``: through oneDNN's copy (uint8 codes) from
-        :data:`ONEDNN_MIN_ROWS` rows when :meth:`enable_onednn` made one, else FBGEMM's dynamic
+        ``onednn_min_rows`` rows when :meth:`enable_onednn` made one, else FBGEMM's dynamic
         linear (float codes)."""
-        if self.onednn_packed is not None and codes.shape[0] >= ONEDNN_MIN_ROWS:
+        if self.onednn_packed is not None and codes.shape[0] >= self.onednn_min_rows:
             u8 = codes if codes.dtype == torch.uint8 else codes.to(torch.uint8)
             return _onednn_product(u8, self.onednn_packed, self.scale, self._zero_points)
         return torch.ops.quantized.linear_dynamic(codes.float(), self.packed, True)
 
-    def enable_onednn(self) -> bool:
+    #: rows (the guard row included) from which products use the oneDNN copy
+    onednn_min_rows: int = ONEDNN_MIN_ROWS
+
+    def enable_onednn(self, min_rows: int | None = None) -> bool:
         """Make a second copy of the int8 codes in oneDNN's layout, used for products of
-        :data:`ONEDNN_MIN_ROWS` or more rows (prefills; ``compile=True`` calls it through
-        :func:`skipdecode.onednn.enable`). Costs N x K more bytes (:meth:`packed_nbytes`); results
-        are the same integers (exact). Returns False, changing nothing, where oneDNN's int8
-        linear is unavailable (:func:`onednn_available`)."""
+        ``min_rows`` (default :data:`ONEDNN_MIN_ROWS`: prefills) or more rows, the guard row
+        included (``compile=True`` calls it through :func:`skipdecode.onednn.enable`, with
+        :data:`HEAD_ONEDNN_MIN_ROWS` for an LM head's preview). Costs N x K more bytes
+        (:meth:`packed_nbytes`); results are the same integers (exact). Returns False, changing
+        nothing, where oneDNN's int8 linear is unavailable (:func:`onednn_available`).
+
+        Raises:
+            ValueError: ``min_rows`` < 1.
+        """
+        if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+            raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
         if not onednn_available()[0]:
             return False
+        if min_rows is not None:
+            self.onednn_min_rows = min_rows
         self.onednn_packed = torch.ops.onednn.qlinear_prepack(self.codes(), None)
         self._zero_points = torch.zeros(self.out_features, dtype=torch.long)
         self.onednn = True
