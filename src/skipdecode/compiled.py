@@ -42,6 +42,7 @@ falls back to eager and says why in :attr:`CompileReport.error`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -319,13 +320,7 @@ def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callab
             if write is not None:
                 args = (layer, hidden, attention_mask, write.keys, write.values, write.key_length, write.slots,
                         write.positions, cache_kw, extra)
-                key = traced.key(layer, args[1:])
-                if traced.ready(key):  # inputs dynamo checked before
-                    out = traced(key, *args)
-                else:
-                    with limits:
-                        _mark_dynamic(hidden, attention_mask, extra, write, prefill=False)
-                        out = traced(key, *args)
+                out = _memo_call(traced, args, write, False, limits)
                 cache.commit_decode_write(layer_idx, write)
                 return out
             with limits:
@@ -367,14 +362,8 @@ def _prefill_call(report: CompileReport, index_of: dict[int, int], traced_prefil
             return out
         extra = {k: _canonical(v) for k, v in extra.items()}
         args = (layer, hidden, attention_mask, write.keys, write.values, cache_kw, extra)
-        key = traced_prefill.key(layer, args[1:])
-        try:
-            if traced_prefill.ready(key):  # the first layer of this prefill was checked: the rest go direct
-                out = traced_prefill(key, *args)
-            else:
-                _mark_dynamic(hidden, attention_mask, extra, write, prefill=True)
-                with limits, prefill_shapes:
-                    out = traced_prefill(key, *args)
+        try:  # the first layer of a prefill is checked, the others run the code it chose
+            out = _memo_call(traced_prefill, args, write, True, limits, prefill_shapes)
         except Exception as exc:  # the lengths were not bumped: the eager call writes the same positions
             report.prefill = False
             report.prefill_error = _one_line(exc)
@@ -383,6 +372,22 @@ def _prefill_call(report: CompileReport, index_of: dict[int, int], traced_prefil
         return out
 
     return run_prefill
+
+
+def _memo_call(memo: GuardMemo, args: tuple, write: Any, prefill: bool, *contexts: Any) -> Any:
+    """A layer call with its cache write traced, ``args = (layer, hidden, attention_mask, ...,
+    extra)``, through ``memo``: directly when dynamo checked inputs like these before; else with
+    its varying sizes marked symbolic (:func:`_mark_dynamic`, ``write`` and ``prefill`` as there)
+    and checked by dynamo inside ``contexts`` (recompile limits, prefill shape settings).
+    Returns the layer's output; raises what dynamo or the layer raise."""
+    key = memo.key(args[0], args[1:])
+    if memo.ready(key):
+        return memo(key, *args)
+    _mark_dynamic(args[1], args[2], args[-1], write, prefill=prefill)
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        return memo(key, *args)
 
 
 def _canonical(value: Any) -> Any:
