@@ -19,7 +19,10 @@ prompts (``prompt_offset`` in the row), so the policies are compared on the same
 repeats within a cell, and only what prompts really share (the chat template's system prompt, the
 E2E instruction, an MR's opening fields) is reused. Each row records the prompt
 tokens its cell reused and computed (``cached_prompt_tokens``, ``computed_prompt_tokens``, from
-``/health``).
+``/health``, warm-up included), and the seconds the server's engine spent in prefills and in
+decode steps and its decode steps during the timed part (``engine_prefill_s``,
+``engine_decode_s``, ``engine_decode_steps``; the rest of the cell's ``seconds`` it waited for
+requests or delivered events).
 
 Prints a Markdown table and ends with one JSON line; writes ``benchmarks/results/server_load.json``
 (repo-relative paths). Targets (issue 10): at 16 clients, in-flight full depth >= 3x the
@@ -191,11 +194,25 @@ def start_server(args: argparse.Namespace, serial: bool) -> tuple[subprocess.Pop
     raise SystemExit("error: the server did not start within 600 s")
 
 
-def prefix_stats(url: str) -> dict | None:
-    """The server's prefix-cache counters from ``/health`` (None when the cache is off)."""
+def scheduler_stats(url: str) -> dict:
+    """The server's scheduler statistics from ``/health`` ({} for a server without them, the
+    one-at-a-time ``--serial`` one)."""
     import httpx
 
-    return httpx.get(url + "/health", timeout=10).json()["scheduler"].get("prefix_cache")
+    return httpx.get(url + "/health", timeout=10).json().get("scheduler") or {}
+
+
+def engine_deltas(before: dict, after: dict) -> dict:
+    """What the server's engine did between two :func:`scheduler_stats`: the prompt tokens its
+    prefix cache reused and computed, and its seconds in prefills and in decode steps and its
+    decode steps (``engine_prefill_s``, ``engine_decode_s``, ``engine_decode_steps``; 0 where the
+    server does not report them)."""
+    pb, pa = before.get("prefix_cache") or {}, after.get("prefix_cache") or {}
+    out = {k: pa[k] - pb[k] if k in pa and k in pb else 0 for k in ("cached_prompt_tokens", "computed_prompt_tokens")}
+    for key, name in (("prefill_seconds", "engine_prefill_s"), ("decode_seconds", "engine_decode_s"),
+                      ("decode_steps", "engine_decode_steps")):
+        out[name] = after[key] - before[key] if key in after and key in before else 0
+    return out
 
 
 async def one_request(client, prompt: str, max_tokens: int, speedup: float,
@@ -263,8 +280,9 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
     the last ``clients`` for the warm-up; no prompt repeats within a cell, so the prefix cache only reuses
     what prompts really share. Returns requests/s, tokens/s (from the server's ``usage``),
     tokens per request, p50/p95 latency and time to first token (seconds), the server's own
-    per-request means (:func:`engine_means`) and the CPU the timed part used (:func:`cpu_use`;
-    the server's with ``server_pid``)."""
+    per-request means (:func:`engine_means`), the CPU the timed part used (:func:`cpu_use`;
+    the server's with ``server_pid``) and what the engine did in it (``engine_prefill_s``,
+    ``engine_decode_s``, ``engine_decode_steps``: :func:`engine_deltas`)."""
     from openai import AsyncOpenAI
 
     queue, warm = cell_prompts(texts, clients, offset, per_client)
@@ -281,11 +299,13 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
                 results.append(await one_request(client, prompt, max_tokens, speedup, chat, served_model,
                                                  ignore_eos))
 
+        stats0 = scheduler_stats(url)
         cpu0 = cpu_snapshot(server_pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(k) for k in range(clients)))
         seconds = time.perf_counter() - t0
         cpu = cpu_use(cpu0, cpu_snapshot(server_pid), server_pid)
+        timed = {k: v for k, v in engine_deltas(stats0, scheduler_stats(url)).items() if k.startswith("engine_")}
     lat = np.array([r[0] for r in results])
     ttft = np.array([r[1] for r in results])
     tokens = sum(r[2] for r in results)
@@ -295,7 +315,7 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
         "completion_tokens": tokens, "tokens_per_request": tokens / total,
         "latency_p50": float(np.percentile(lat, 50)), "latency_p95": float(np.percentile(lat, 95)),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p95": float(np.percentile(ttft, 95)),
-        **engine_means([r[3] for r in results]), **cpu,
+        **engine_means([r[3] for r in results]), **cpu, **timed,
     }
 
 
@@ -466,17 +486,17 @@ def run_cell(args: argparse.Namespace, texts: list[str], mode: str, clients: int
     computed (warm-up included, from ``/health``)."""
     proc, url = start_server(args, serial=mode == "serial")
     try:
-        before = prefix_stats(url)
+        before = scheduler_stats(url)
         row = {"mode": mode, "prompt_offset": offset,
                **run_client(load(url, texts, clients, speedup, args.max_tokens, args.chat, offset=offset,
                                  per_client=args.requests_per_client, ignore_eos=args.ignore_eos,
                                  server_pid=proc.pid))}
-        after = prefix_stats(url)
+        after = scheduler_stats(url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
-    for key in ("cached_prompt_tokens", "computed_prompt_tokens"):
-        row[key] = after[key] - before[key] if after and before else 0
+    deltas = engine_deltas(before, after)  # the prompt tokens: warm-up included
+    row.update({k: deltas[k] for k in ("cached_prompt_tokens", "computed_prompt_tokens")})
     print(f"{mode} clients={clients} speedup={speedup:g}: {row['requests_per_second']:.2f} req/s, "
           f"{row['tokens_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
     return row

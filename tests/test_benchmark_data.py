@@ -151,3 +151,20 @@ def test_server_load_repeats_alternate_the_speedups_and_take_median_ratios(monke
     assert pair["requests_per_second_ratio"] == pytest.approx(1.4)  # the median, not the ratio of medians (6/4)
     assert result["targets"]["two_x_over_full_at_16"] == pytest.approx(1.4)
     assert "median of 3 runs: 1.40, 2.00, 1.40" in capsys.readouterr().out
+
+
+def test_server_load_splits_a_cells_engine_time_from_health():
+    """A cell's row records what the server's engine did in it (from /health before and after):
+    prompt tokens reused and computed, seconds in prefills and decode steps, decode steps; a
+    server that reports none of them (the serial one) gives zeros, not an error."""
+    script = load_benchmark("server_load")
+    before = {"prefix_cache": {"cached_prompt_tokens": 10, "computed_prompt_tokens": 50},
+              "prefill_seconds": 1.5, "decode_seconds": 4.0, "decode_steps": 100}
+    after = {"prefix_cache": {"cached_prompt_tokens": 25, "computed_prompt_tokens": 90},
+             "prefill_seconds": 2.25, "decode_seconds": 9.5, "decode_steps": 340}
+    assert script.engine_deltas(before, after) == {
+        "cached_prompt_tokens": 15, "computed_prompt_tokens": 40, "engine_prefill_s": 0.75,
+        "engine_decode_s": 5.5, "engine_decode_steps": 240}
+    assert script.engine_deltas({}, {}) == {
+        "cached_prompt_tokens": 0, "computed_prompt_tokens": 0, "engine_prefill_s": 0,
+        "engine_decode_s": 0, "engine_decode_steps": 0}

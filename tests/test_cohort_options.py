@@ -45,6 +45,38 @@ def test_scheduler_and_app_hand_the_cohort_size_to_the_engine():
         serial.state.scheduler.close()
 
 
+def test_scheduler_stats_report_the_engines_prefill_and_decode_time():
+    """/health's scheduler statistics carry the engine's prefill and decode seconds and decode
+    steps (server_load.py reads them to split a cell's time): after 2 requests of 4 tokens each,
+    3 decode steps each (token 0 comes from the prefill), run side by side."""
+    import threading
+
+    from skipdecode.engine import Request
+
+    sk = SkipModel(make_model("llama"), make_tokenizer())
+    scheduler = Scheduler(sk.adapter, max_batch_size=8, max_waiting=4)
+    try:
+        before = scheduler.stats()
+        assert (before["decode_steps"], before["prefill_seconds"], before["decode_seconds"]) == (0, 0.0, 0.0)
+        done = threading.Event()
+        finished = []
+
+        def sink(ev):
+            if not isinstance(ev, BaseException) and ev.finished:
+                finished.append(ev)
+                if len(finished) == 2:
+                    done.set()
+
+        scheduler.submit([Request([5, 6, 7], 4), Request([8, 9], 4)], sink)
+        assert done.wait(60)
+        after = scheduler.stats()
+        assert after["decode_steps"] == scheduler.engine.decode_steps == 3  # both rows joined in one prefill
+        assert after["prefill_seconds"] == scheduler.engine.prefill_seconds > 0
+        assert after["decode_seconds"] == scheduler.engine.decode_seconds > 0
+    finally:
+        scheduler.close()
+
+
 @pytest.mark.parametrize("cohort", [0, 9, True, 2.0])
 def test_app_refuses_a_cohort_outside_one_to_the_batch_size(cohort):
     sk = SkipModel(make_model("llama"), make_tokenizer())

@@ -134,8 +134,10 @@ class Scheduler:
             self._wake.notify()
 
     def stats(self) -> dict[str, Any]:
-        """``running``, ``waiting`` (rows), ``steps`` and ``generated_tokens`` so far, ``cancelled``
-        requests, the sizes, and ``prefix_cache``: the engine's prefix-cache statistics
+        """``running``, ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
+        far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
+        and in decode steps so far, s; the rest of the server's time the engine waited or
+        delivered events), ``cancelled`` requests, the sizes, and ``prefix_cache``: the engine's prefix-cache statistics
         (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when off; counted since the
         engine started, which a failed step restarts)."""
         with self._lock:
@@ -144,6 +146,9 @@ class Scheduler:
                 "running": len(self.engine.running),
                 "waiting": len(self._inbox) + len(self.engine.waiting),
                 "steps": self.engine.steps,
+                "decode_steps": self.engine.decode_steps,
+                "prefill_seconds": self.engine.prefill_seconds,
+                "decode_seconds": self.engine.decode_seconds,
                 "generated_tokens": self.engine.generated_tokens,
                 "cancelled": self.cancelled,
                 "max_batch_size": self.max_batch_size,
