@@ -134,3 +134,23 @@ def test_without_dynamos_cache_list_every_call_is_checked(tokenizer, monkeypatch
     assert_equal_runs(eager, compiled)
     checks = report.guard_checks()
     assert checks["direct"] == 0 and checks["checked"] > 0
+
+
+def _scaled(x, n):
+    return x * n + 1
+
+
+def test_a_call_dynamo_ran_eagerly_past_the_recompile_limit_is_never_memoised():
+    """Past ``recompile_limit`` dynamo runs a new signature eagerly and leaves its cache list as it
+    was: the first entry then belongs to other inputs (here n == 3, specialised). Memoising it for
+    n == 4 would give 4 * 3 + 1 instead of 4 * 4 + 1, silently; the memo checks the entry's guards
+    against the call's arguments and keeps such a signature checked."""
+    torch._dynamo.reset()
+    memo = GuardMemo(_scaled, torch.compile(_scaled, backend="eager"))
+    x = torch.ones(2)
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        assert torch.equal(memo((3,), x, 3), x * 3 + 1)
+        for _ in range(3):
+            assert torch.equal(memo((4,), x, 4), x * 4 + 1)  # eager each time: checked
+        assert torch.equal(memo((3,), x, 3), x * 3 + 1)  # the compiled entry is its own
+    assert (memo.checked, memo.direct) == (4, 1)

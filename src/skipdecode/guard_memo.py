@@ -35,6 +35,7 @@ signature with another key length, pays the guard check.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 import weakref
@@ -189,12 +190,18 @@ class GuardMemo:
             if key is not None and key not in self.memo:
                 if len(self.memo) >= MAX_ENTRIES:  # one per key length and variant: start over
                     self.memo.clear()
-                self.memo[key] = self._front()
+                self.memo[key] = self._front(args)
         return out
 
-    def _front(self) -> Callable | None:
-        """A function over the compiled code dynamo just ran (its cache list's first entry), or
-        None when that code resumes after a graph break."""
+    def _front(self, args: tuple) -> Callable | None:
+        """A function over the compiled code dynamo just ran for ``args``: its cache list's first
+        entry, provided that entry's guards accept ``args`` (so dynamo would pick it for them);
+        None otherwise, or when that code resumes after a graph break.
+
+        The guard check matters where dynamo ran no entry at all: past ``recompile_limit`` it runs
+        the function eagerly and leaves the list as it was, so the first entry belongs to other
+        inputs (an integer argument specialised to another value would then give wrong results,
+        silently; tests/test_guard_memo.py)."""
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
         entries = _debug_get_cache_entry_list(self.code)
@@ -202,5 +209,10 @@ class GuardMemo:
             return None
         code = entries[0].code
         if any(n.startswith("__resume_at") for n in code.co_names) or code.co_freevars:
+            return None
+        own = self.code
+        if own.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or len(args) != own.co_argcount:
+            return None  # the frame's locals cannot be rebuilt from args alone
+        if not entries[0].guard_manager.check(dict(zip(own.co_varnames, args))):
             return None
         return types.FunctionType(code, self.globals, self.name)
