@@ -14,7 +14,9 @@ What. :class:`GuardMemo` wraps a ``torch.compile``'d function. A call with a sig
 flag, every other argument's value, the layer's structure and mutable flags, the autograd and
 autocast state) it has not seen goes through dynamo as usual, guards and all; dynamo moves the
 cache entry that ran to the front of its list (or puts a new compile there), so the memo then
-knows which compiled code those inputs select, and keeps a plain Python function over that code.
+knows which compiled code those inputs select, and keeps a plain Python function over that code,
+once that entry's own guards have accepted the inputs (where dynamo ran no entry, past its
+``recompile_limit``, the front one belongs to other inputs and the signature stays checked).
 A later call with an equal signature runs that function directly: the same bytecode dynamo
 would run after the same check, minus the check. This is vLLM's custom dispatcher
 (``TorchCompileWrapperWithCustomDispatcher``: run the compiled bytecode without dynamo's frame
