@@ -202,6 +202,38 @@ def test_compiled_inflight_steps_equal_eager(backend):
     assert not eng.running and eng.cache.lengths.sum().item() == 0  # every slot freed
 
 
+def test_inflight_rows_in_the_first_slots_read_their_keys_in_place():
+    """Rows that are slots 0..B-1 in order get a decode graph that reads the slot buffers in
+    place (no gather of keys and values); once the middle row ends (slots 0 and 2) the graph
+    gathers them; tokens and logits equal the eager engine's either way."""
+    from skipdecode.engine import Engine, Request
+
+    def run(adapter):
+        engine = Engine(adapter, max_batch_size=3, keep_logits=True, prefix_cache=False)
+        reqs = [Request(list(range(5, 9 + i)), max_new_tokens=3 if i == 1 else 8) for i in range(3)]
+        logits = {id(r): [] for r in reqs}
+        rows = engine.run(reqs, on_event=lambda ev: logits[id(ev.row.request)].append(ev.logits))
+        return [(row.tokens, torch.stack(logits[id(r)])) for row, r in zip(rows, reqs)]
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes})
+        return gm.forward
+
+    torch._dynamo.reset()
+    want = run(get_adapter(make_model("llama", 4)))
+    adapter = get_adapter(make_model("llama", 4))
+    report = compile_adapter(adapter, backend=recording)
+    got = run(adapter)
+    assert report.enabled, report.error
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks and torch.allclose(logits, want_logits, atol=1e-5, rtol=0)
+    steps = [g for g in graphs if any("setitem" in t for t in g)]  # decode graphs write rows by index
+    assert any(not any("index_select" in t for t in g) for g in steps)  # slots 0..2: in place
+    assert any(any("index_select" in t for t in g) for g in steps)  # slots 0 and 2: gathered
+
+
 def test_compile_failure_in_flight_falls_back_and_undoes_the_cache_write():
     """A backend that fails on the layer's graph (attention, and the cache write traced inside it)
     at the first in-flight decode step (a SlotView): the engine falls back to eager, the failed
@@ -294,11 +326,16 @@ def test_decode_write_targets():
     for slot in range(4):
         slots.load_prefill(slot, prefill, 0, 0, 2)
     view = slots.view(torch.tensor([1, 2]), torch.tensor([2, 2]), key_length=3)
-    write = view.decode_write(0, rows=2)  # consecutive slots too: gathered, one layout for every step
+    write = view.decode_write(0, rows=2)  # consecutive slots not from 0: gathered (no view per offset)
     assert torch.equal(write.slots, torch.tensor([1, 2])) and write.keys is slots.keys[0]
     assert torch.equal(write.positions, torch.tensor([2, 2])) and write.key_length == 3
     gathered = slots.view(torch.tensor([3, 0]), torch.tensor([2, 2]), key_length=3).decode_write(0, rows=2)
     assert torch.equal(gathered.slots, torch.tensor([3, 0])) and gathered.keys is slots.keys[0]
+    for order in ([1, 0], [0, 1, 3]):  # not slots 0..B-1 in order: gathered too
+        assert not slots.view(torch.tensor(order), torch.tensor([2] * len(order)), key_length=3).leading
+    lead = slots.view(torch.tensor([0, 1]), torch.tensor([2, 1]), key_length=3).decode_write(0, rows=2)
+    assert lead.slots is None and lead.keys.shape[0] == 2 and lead.keys.data_ptr() == slots.keys[0].data_ptr()
+    assert torch.equal(lead.positions, torch.tensor([2, 1])) and lead.values.shape == lead.keys.shape
     assert slots.lengths[0].tolist() == [2, 2, 2, 2]
     view.commit_decode_write(0, write)
     assert slots.lengths[0].tolist() == [2, 3, 3, 2]

@@ -32,7 +32,8 @@ class DecodeWrite:
         key_length: K, keys returned per row after the write (tokens; in a :class:`SlotView`
             ``max(positions) + 1``, each row's attention mask hiding the positions after its own).
         slots: (B,) long buffer row (slot) of each batch row (:class:`SlotView`), or None: batch
-            row i is buffer row i (:class:`SkipCache`).
+            row i is buffer row i (:class:`SkipCache`, or a :class:`SlotView` whose rows are
+            slots 0..B-1, ``keys``/``values`` then being the buffers' first B rows).
         positions: (B,) long write position of each row, or None: every row writes at
             position ``K - 1`` (:class:`SkipCache`).
     """
@@ -296,6 +297,8 @@ class SlotView:
         self.slots = slots.long().cpu()
         self.positions = positions.long().cpu()
         self.key_length = key_length
+        #: the rows are slots 0..B-1 in order: a compiled step reads the buffers' first B rows in place
+        self.leading = bool(torch.equal(self.slots, torch.arange(len(self.slots))))
 
     def rows(self, rows: torch.Tensor) -> "SlotView":
         """The view restricted to batch rows ``rows`` (B',) (long indices)."""
@@ -326,17 +329,26 @@ class SlotView:
     def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
         """Where a compiled decode step writes row i's new token in layer ``layer_idx``: slot
         ``slots[i]``, position ``positions[i]`` of the layer's (S, H_kv, capacity, D) buffers
-        (doubled first if needed), returning ``key_length`` keys per row, gathered from the
-        buffers whether or not the slots are consecutive (one graph layout for every step: a view
-        of consecutive slots would add variants per storage offset). None when the layer has no
-        buffers yet (the caller then writes through :meth:`update`). ``rows`` (the batch size) is
-        ``len(slots)`` here and not checked. Call :meth:`commit_decode_write` once the write has run."""
+        (doubled first if needed), returning ``key_length`` keys per row. Rows that are slots
+        0..B-1 in order (:attr:`leading`, the engine's usual layout: free slots are taken lowest
+        first) get the buffers' first B rows, ``slots`` None, and the graph reads their keys in
+        place; other slot sets get the whole buffers and ``slots``, and the graph gathers their
+        keys (a copy of B x K keys and values per layer call: about 90 us at 16 rows of 70
+        positions on the 2-core test host). Two layouts in all, whatever the slots: a view
+        starting at another slot would add variants per storage offset. None when the layer has
+        no buffers yet (the caller then writes through :meth:`update`). ``rows`` (the batch size)
+        is ``len(slots)`` here and not checked. Call :meth:`commit_decode_write` once the write
+        has run."""
         cache = self.cache
         if cache.keys[layer_idx] is None:
             return None
         cache._ensure(layer_idx, cache.keys[layer_idx], cache.values[layer_idx], self.key_length)
         k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
-        return DecodeWrite(k_buf, v_buf, self.key_length, self.slots.to(k_buf.device), self.positions.to(k_buf.device))
+        positions = self.positions.to(k_buf.device)
+        if self.leading:
+            B = len(self.slots)
+            return DecodeWrite(k_buf[:B], v_buf[:B], self.key_length, None, positions)
+        return DecodeWrite(k_buf, v_buf, self.key_length, self.slots.to(k_buf.device), positions)
 
     def commit_decode_write(self, layer_idx: int, write: "DecodeWrite") -> None:
         """Record the tokens a :meth:`decode_write` target received (each row's length at

@@ -18,7 +18,7 @@ A cache without ``decode_write`` gets the former path: its ``update`` runs eager
 compiled regions (a graph break).
 
 Variants are bounded and do not grow with the policy or the layer count: one graph per cache
-layout (a static batch, or slots gathered from a :class:`~skipdecode.cache.SlotCache`), per state of a decode-only adapter's
+layout (a static batch, a :class:`~skipdecode.cache.SlotCache`'s first B slots, or slots gathered from it), per state of a decode-only adapter's
 switch (base weights, adapter, rows of both) and per batch of one or of more rows (a batch of
 more is symbolic from its first compile, :func:`_mark_dynamic`); layer indices are not
 specialised, and key length and buffer capacity are symbolic after their second value (dynamo's
@@ -151,9 +151,10 @@ class _TracedWrite:
     outside, by ``commit_decode_write``.
 
     ``keys``/``values`` are (B, H_kv, capacity, D) buffers holding batch row i in their row i
-    (a :class:`~skipdecode.cache.SkipCache`, ``slots`` None), or (S, H_kv, capacity, D) slot
-    buffers with ``slots`` (B,) mapping rows to slots. ``positions`` (B,) are the write
-    positions; None: every row writes at ``key_length - 1``.
+    (a :class:`~skipdecode.cache.SkipCache`, or the first B slots of a slot cache, ``slots``
+    None), or (S, H_kv, capacity, D) slot buffers with ``slots`` (B,) mapping rows to slots
+    (their keys gathered). ``positions`` (B,) are the write positions; None: every row writes at
+    ``key_length - 1``.
     """
 
     def __init__(self, keys, values, key_length, slots, positions) -> None:
@@ -168,6 +169,11 @@ class _TracedWrite:
             T = key_states.shape[2]
             self.keys.narrow(2, K - T, T).copy_(key_states)
             self.values.narrow(2, K - T, T).copy_(value_states)
+            return self.keys[:, :, :K], self.values[:, :, :K]
+        if self.slots is None:  # batch row i is buffer row i: written and read in place
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            self.keys[rows, :, self.positions] = key_states[:, :, 0]
+            self.values[rows, :, self.positions] = value_states[:, :, 0]
             return self.keys[:, :, :K], self.values[:, :, :K]
         self.keys[self.slots, :, self.positions] = key_states[:, :, 0]
         self.values[self.slots, :, self.positions] = value_states[:, :, 0]
