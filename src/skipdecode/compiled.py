@@ -504,8 +504,8 @@ def _warm_policy(sk):
 
 def _warm_up_inflight(sk, new_tokens: int) -> None:
     """Compile the in-flight variants too (:class:`~skipdecode.engine.Engine`: a slot cache, rows
-    of different ages whose plans differ, so layers run on one row or on several): one request,
-    then a second joining two steps later; then three rows in consecutive slots mixing full depth
+    of different ages whose plans differ, so layers run on one row or on several): one request
+    alone in slot 0 past its full-depth steps, then a second joining; then three rows in consecutive slots mixing full depth
     and the skipping policy, whose middle one ends early so that the others run in slots that are
     not consecutive (keys gathered from the buffer) with full-depth and skipping rows mixed, alone
     and together. On the way the prefills' variants compile: one row and several, from an empty
@@ -516,8 +516,9 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
     lead = getattr(policy, "full_depth_steps", 0)
     ids = sk.tokenizer("Hello there, how are you?")["input_ids"] or [0]
     engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
-    engine.submit(Request(list(ids), max_new_tokens=lead + new_tokens + 2, policy=policy))
-    for _ in range(2):
+    # alone in slot 0 (read in place) through its full-depth steps and two skipping ones
+    engine.submit(Request(list(ids), max_new_tokens=2 * lead + new_tokens + 2, policy=policy))
+    for _ in range(lead + 2):
         engine.step()
     engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=lead + new_tokens, policy=policy))
     while engine.busy:
