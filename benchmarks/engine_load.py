@@ -17,6 +17,7 @@ of the prefill and decode seconds per policy, and ends with one JSON line.
 
     python benchmarks/engine_load.py --adapter --chat --clients 16 --requests-per-client 6 --align-steps 8
     python benchmarks/engine_load.py --clients 16 --ignore-eos --quantize w8a8 --compile   # a server_load cell's twin
+    python benchmarks/engine_load.py --clients 16 --ignore-eos --quantize w8a8 --compile --prompt-repeats 20  # ~700-token prompts
     python benchmarks/engine_load.py --model DIR --clients 2 --requests-per-client 2 --max-tokens 4 --name smoke
 """
 
@@ -51,6 +52,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=6, help="timed requests per client (at least 8 in all)")
     p.add_argument("--speedups", default="1,2", help="comma-separated request speedups (1 = full depth)")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    p.add_argument("--prompt-repeats", type=int, default=1,
+                   help="each prompt's text this many times over, joined by spaces: long prompts (an E2E "
+                        "prompt is about 35 tokens, so 20 gives about 700)")
     p.add_argument("--max-batch-size", type=int, default=64, help="the engine's slots")
     p.add_argument("--align-steps", type=int, default=8, help="Engine(align_steps=) (serve's default is 8)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -72,6 +76,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for option, value, low in (("--clients", args.clients, 1), ("--requests-per-client", args.requests_per_client, 1),
                                ("--max-tokens", args.max_tokens, 1), ("--max-batch-size", args.max_batch_size, 1),
                                ("--align-steps", args.align_steps, 0), ("--threads", args.threads, 1),
+                               ("--prompt-repeats", args.prompt_repeats, 1),
                                ("--repeats", args.repeats, 1)):
         if value is not None and value < low:
             p.error(f"{option} must be >= {low}, got {value}")
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     sk = load(args.model, adapter=bool(args.adapter) and args.model is None, quantize=args.quantize,
               compile=args.compile)
-    texts = prompts()
+    texts = [" ".join([t] * args.prompt_repeats) for t in prompts()]
     rows = []
     for rep in range(args.repeats):  # alternate the order, so that a drift favours no policy
         for s in (args.speedups if rep % 2 == 0 else args.speedups[::-1]):
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "engine_load", "model": args.model or "embedded SmolLM2-135M-Instruct",
         "adapter": bool(args.adapter and not args.model), "chat": args.chat, "clients": args.clients,
-        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "quantize": args.quantize,
+        "max_tokens": args.max_tokens, "prompt_repeats": args.prompt_repeats, "ignore_eos": args.ignore_eos, "quantize": args.quantize,
         "compile": args.compile, "max_batch_size": args.max_batch_size, "align_steps": args.align_steps,
         "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows, "ratios": ratios(rows),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),

@@ -93,9 +93,31 @@ def test_engine_load_ignore_eos_gives_every_request_max_tokens(tmp_path, monkeyp
     (["--speedups", "2,3"], "--speedups must include 1"),
     (["--speedups", "fast"], "--speedups takes comma-separated numbers"),
     (["--quantize", "int3"], "--quantize: invalid choice"),
+    (["--prompt-repeats", "0"], "--prompt-repeats must be >= 1, got 0"),
 ])
 def test_engine_load_bad_arguments_exit_2(args, message, capsys):
     engine_load = load_benchmark("engine_load")
     with pytest.raises(SystemExit) as exc:
         engine_load._parse(args)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_engine_load_prompt_repeats_make_long_prompts(saved, tmp_path, monkeypatch):  # noqa: F811
+    """--prompt-repeats 3: every cell gets each prompt's text three times over, joined by spaces,
+    and the result records it."""
+    engine_load = load_benchmark("engine_load")
+    monkeypatch.setattr(engine_load, "prompts", lambda: list(PROMPTS))
+    seen = []
+
+    def cell(sk, texts, args, speedup):
+        seen.append(list(texts))
+        return {"speedup": speedup, "requests_per_second": 1.0, "prefill_s": 1.0, "decode_s": 1.0,
+                "theoretical_speedup": speedup, "seconds": 2.0, "requests": 1, "tokens_per_second": 1.0,
+                "engine_steps": 1, "mean_rows_per_decode_step": 1.0, "cached_prompt_tokens": 0,
+                "computed_prompt_tokens": 1}
+
+    monkeypatch.setattr(engine_load, "run_cell", cell)
+    monkeypatch.setattr(engine_load, "plot", lambda result, path: path)
+    result = engine_load.main(["--model", str(saved), "--prompt-repeats", "3", "--out", str(tmp_path), "--name", "r"])
+    assert seen and all(texts == [" ".join([p] * 3) for p in PROMPTS] for texts in seen)
+    assert result["prompt_repeats"] == 3

@@ -18,8 +18,9 @@ A cache without ``decode_write`` gets the former path: its ``update`` runs eager
 compiled regions (a graph break).
 
 Variants are bounded and do not grow with the policy or the layer count: one graph per cache
-layout (a static batch, a :class:`~skipdecode.cache.SlotCache`'s first B slots, or slots gathered from it), per state of a decode-only adapter's
-switch (base weights, adapter, rows of both) and per batch of one or of more rows (a batch of
+layout (a static batch, a :class:`~skipdecode.cache.SlotCache`'s first B slots read in place, or
+slots gathered from it), per state of a decode-only adapter's switch (base weights, adapter,
+rows of both) and per batch of one or of more rows (a batch of
 more is symbolic from its first compile, :func:`_mark_dynamic`); layer indices are not
 specialised, and key length and buffer capacity are symbolic after their second value (dynamo's
 automatic dynamic shapes). The prefill's variants: a batch of one or more rows, an empty cache,
@@ -505,11 +506,12 @@ def _warm_policy(sk):
 def _warm_up_inflight(sk, new_tokens: int) -> None:
     """Compile the in-flight variants too (:class:`~skipdecode.engine.Engine`: a slot cache, rows
     of different ages whose plans differ, so layers run on one row or on several): one request
-    alone in slot 0 past its full-depth steps, then a second joining; then three rows in consecutive slots mixing full depth
-    and the skipping policy, whose middle one ends early so that the others run in slots that are
-    not consecutive (keys gathered from the buffer) with full-depth and skipping rows mixed, alone
-    and together. On the way the prefills' variants compile: one row and several, from an empty
-    cache and after a stored prefix."""
+    alone in slot 0 (keys read in place) past its full-depth steps, then a second joining; then
+    three rows in consecutive slots mixing full depth and the skipping policy, whose middle one
+    ends early so that the others run in slots that are not consecutive (keys gathered from the
+    buffer) with full-depth and skipping rows mixed, alone and together. On the way the
+    prefills' variants compile: one row and several, from an empty cache and after a stored
+    prefix."""
     from .engine import Engine, Request
 
     policy = _warm_policy(sk)

@@ -137,9 +137,9 @@ class Scheduler:
         """``running``, ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
         far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
         and in decode steps so far, s; the rest of the server's time the engine waited or
-        delivered events), ``cancelled`` requests, the sizes, and ``prefix_cache``: the engine's prefix-cache statistics
-        (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when off; counted since the
-        engine started, which a failed step restarts)."""
+        delivered events), ``cancelled`` requests, the sizes, and ``prefix_cache``: the engine's
+        prefix-cache statistics (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when
+        off). The engine's counters count since it started, which a failed step restarts."""
         with self._lock:
             pc = self.engine.prefix_cache
             return {
