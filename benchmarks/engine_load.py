@@ -67,7 +67,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="run the cells this many times, alternating their order (1,2 then 2,1, ...); the "
                         "ratios are the medians of each run's (step times drift between runs on a shared host)")
     p.add_argument("--name", default="engine_load", help="results base name under --out")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the results JSON and PNG")
     args = p.parse_args(argv)
     try:
         args.speedups = [float(x) for x in args.speedups.split(",")]

@@ -143,8 +143,8 @@ def _scaled(x, n):
 def test_a_call_dynamo_ran_eagerly_past_the_recompile_limit_is_never_memoised():
     """Past ``recompile_limit`` dynamo runs a new signature eagerly and leaves its cache list as it
     was: the first entry then belongs to other inputs (here n == 3, specialised). Memoising it for
-    n == 4 would give 4 * 3 + 1 instead of 4 * 4 + 1, silently; the memo checks the entry's guards
-    against the call's arguments and keeps such a signature checked."""
+    n == 4 would give x * 3 + 1 (4 for x = 1) instead of x * 4 + 1 (5), silently; the memo checks
+    the entry's guards against the call's arguments and keeps such a signature checked."""
     torch._dynamo.reset()
     memo = GuardMemo(_scaled, torch.compile(_scaled, backend="eager"))
     x = torch.ones(2)
