@@ -297,8 +297,12 @@ class SlotView:
         self.slots = slots.long().cpu()
         self.positions = positions.long().cpu()
         self.key_length = key_length
-        #: the rows are slots 0..B-1 in order: a compiled step reads the buffers' first B rows in place
-        self.leading = bool(torch.equal(self.slots, torch.arange(len(self.slots))))
+
+    @property
+    def leading(self) -> bool:
+        """Whether the rows are slots 0..B-1 in order: a compiled step then reads the buffers'
+        first B rows in place (:meth:`decode_write`; computed there only, not per view)."""
+        return bool(torch.equal(self.slots, torch.arange(len(self.slots))))
 
     def rows(self, rows: torch.Tensor) -> "SlotView":
         """The view restricted to batch rows ``rows`` (B',) (long indices)."""
