@@ -16,7 +16,7 @@ import torch
 
 from conftest import VOCAB, make_model
 from skipdecode import FullPolicy, LinearDecayPolicy, generate_step, get_adapter
-from skipdecode.cache import SlotCache
+from skipdecode.cache import SkipCache, SlotCache
 from skipdecode.engine import Engine, Request
 from skipdecode.forward import skip_forward
 from skipdecode.sampling import SamplingParams
@@ -435,3 +435,41 @@ def test_generate_inflight_on_a_given_engine_keeps_its_prefix_cache():
     engine.submit(Request(tok(first)["input_ids"], 2))
     with pytest.raises(ValueError, match="engine must be an idle Engine"):
         generate_inflight(adapter, tok, [first], max_new_tokens=2, engine=engine)
+
+
+def test_slot_buffers_grow_with_the_slots_used_not_the_maximum_batch():
+    """A SlotCache for 32 slots holds buffer rows only for the slots loaded so far (a power of
+    two, at most the slot count), and positions rounded up to a power of two: one long prompt
+    next to a short one in a 32-slot engine once took 32 x its length per layer (6.9 GB and a
+    6.9 s copy at its first decode step for a 2000-token prompt; a ~6700-token one killed the
+    server for memory). Contents survive every growth."""
+    slots = SlotCache(num_layers=2, num_slots=3, capacity=4)
+    prefill = SkipCache(num_layers=2)
+    kv = [torch.randn(1, 1, 5, 2) for _ in range(2)]
+    for layer in range(2):
+        prefill.update(kv[layer], -kv[layer], layer)
+    slots.load_prefill(0, prefill, 0, 0, 5)
+    assert slots.keys[0].shape == (1, 1, 8, 2)  # one row; 5 positions -> 8
+    slots.load_prefill(2, prefill, 0, 1, 4)  # slot 2: rows 1 -> 2 -> 4, capped at the 3 slots
+    assert slots.keys[1].shape == (3, 1, 8, 2)
+    view = slots.view(torch.tensor([0, 2]), torch.tensor([5, 3]), key_length=9)
+    new = torch.ones(2, 1, 1, 2)
+    for layer in range(2):
+        view.update(new, new, layer)  # position 8 of slot 0: 8 -> 16 positions
+    for layer in range(2):
+        assert slots.keys[layer].shape == (3, 1, 16, 2)
+        assert torch.equal(slots.keys[layer][0, :, :5], kv[layer][0]) and torch.equal(slots.values[layer][0, :, :5], -kv[layer][0])
+        assert torch.equal(slots.keys[layer][2, :, :3], kv[layer][0, :, 1:4])
+        assert torch.equal(slots.keys[layer][0, :, 5], new[0, :, 0]) and torch.equal(slots.keys[layer][2, :, 3], new[1, :, 0])
+        assert not slots.keys[layer][1].any()  # a slot never used stays zeros (masked keys stay finite)
+
+
+def test_a_long_prompt_next_to_a_short_one_holds_two_buffer_rows_and_equals_solo():
+    adapter = adapter_of("llama")
+    reqs = [Request(prompt(200, 90), 4, POLICIES[1]), Request(prompt(6, 91), 6, POLICIES[2])]
+    eng, results = run_inflight(adapter, reqs, [0, 1], max_batch_size=32)
+    assert eng.cache.keys[0].shape[:3] == (2, adapter.model.config.num_key_value_heads, 256)
+    for req, (toks, logits) in zip(reqs, results):
+        want_toks, want_logits = solo(adapter, list(req.prompt_ids), req.policy, req.max_new_tokens)
+        assert toks == want_toks
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)

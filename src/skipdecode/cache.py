@@ -182,6 +182,11 @@ class SlotCache:
         num_slots: S, the most rows that can run at once (the scheduler's maximum batch size).
         capacity: positions first allocated per slot (tokens); buffers double when a write needs more.
 
+    Buffers are (R, H_kv, size, D) per layer, R the slots used so far rounded up to a power of
+    two (at most S): slots are taken lowest first, so R follows the most requests that ran at
+    once, not S. Every slot shares ``size``, the longest history held (a paged cache would
+    not): 16 slots next to one 8192-token prompt hold 16 x 8192 positions per layer.
+
     Attributes:
         lengths: (L, S) long tensor, cached positions of every (layer, slot) (tokens).
         loads: per slot, how many requests :meth:`load_prefill` has put in it (a slot's
@@ -203,17 +208,30 @@ class SlotCache:
         self.lengths = torch.zeros((num_layers, num_slots), dtype=torch.long)
         self.loads = [0] * num_slots
 
-    def _ensure(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int) -> None:
-        """Allocate (or double) layer ``layer_idx``'s buffers (S, H_kv, size, D) to hold ``need`` positions."""
+    def _ensure(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int, rows: int = 1) -> None:
+        """Allocate or grow layer ``layer_idx``'s buffers (R, H_kv, size, D) to hold ``need``
+        positions of slots ``0 .. rows - 1``: R doubles (from 1, at most S) and size grows to the
+        larger of twice itself and the power of two >= ``need`` (at least ``capacity``), so that
+        a long prompt's first decode steps do not copy the buffers again. New positions are zeros:
+        keys a row's mask hides must stay finite."""
         old_k = self.keys[layer_idx]
-        if old_k is not None and old_k.shape[2] >= need:
+        have_rows, have_size = (0, 0) if old_k is None else (old_k.shape[0], old_k.shape[2])
+        if have_rows >= rows and have_size >= need:
             return
-        size = max(need, self.capacity) if old_k is None else max(need, 2 * old_k.shape[2])
-        k_buf = like_k.new_zeros((self.num_slots, like_k.shape[1], size, like_k.shape[-1]))
-        v_buf = like_v.new_zeros((self.num_slots, like_v.shape[1], size, like_v.shape[-1]))
+        R = max(have_rows, 1)
+        while R < rows:
+            R *= 2
+        R = min(R, self.num_slots)
+        pow2 = 1 << max(need - 1, 0).bit_length()
+        if old_k is None:
+            size = max(self.capacity, pow2)
+        else:
+            size = have_size if have_size >= need else max(pow2, 2 * have_size)
+        k_buf = like_k.new_zeros((R, like_k.shape[1], size, like_k.shape[-1]))
+        v_buf = like_v.new_zeros((R, like_v.shape[1], size, like_v.shape[-1]))
         if old_k is not None:
-            k_buf[:, :, : old_k.shape[2]] = old_k
-            v_buf[:, :, : old_k.shape[2]] = self.values[layer_idx]
+            k_buf[:have_rows, :, :have_size] = old_k
+            v_buf[:have_rows, :, :have_size] = self.values[layer_idx]
         self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
 
     def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int, prefix: int = 0,
@@ -241,7 +259,7 @@ class SlotCache:
                     f"need {end}: a joining request must be prefilled at full depth"
                 )
             k_src, v_src = source.keys[layer_idx], source.values[layer_idx]
-            self._ensure(layer_idx, k_src, v_src, n)
+            self._ensure(layer_idx, k_src, v_src, n, slot + 1)
             k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
             k_buf[slot, :, :prefix] = k_src[row, :, prefix_start : prefix_start + prefix]
             v_buf[slot, :, :prefix] = v_src[row, :, prefix_start : prefix_start + prefix]
@@ -271,10 +289,12 @@ class SlotCache:
         """Mark ``slot`` empty (lengths 0 in every layer); its buffers are overwritten by the next user."""
         self.lengths[:, slot] = 0
 
-    def view(self, slots: torch.Tensor, positions: torch.Tensor, key_length: int) -> "SlotView":
+    def view(self, slots: torch.Tensor, positions: torch.Tensor, key_length: int,
+             slot_bound: int | None = None) -> "SlotView":
         """A :class:`SlotView` for one decode step of rows in ``slots`` (B,) writing at
-        ``positions`` (B,) (each row's history length, tokens) and returning ``key_length`` keys."""
-        return SlotView(self, slots, positions, key_length)
+        ``positions`` (B,) (each row's history length, tokens) and returning ``key_length`` keys;
+        ``slot_bound``, when the caller knows it, is ``max(slots) + 1`` (else computed once)."""
+        return SlotView(self, slots, positions, key_length, slot_bound)
 
 
 class SlotView:
@@ -290,13 +310,23 @@ class SlotView:
         slots: (B,) long slot indices (distinct).
         positions: (B,) long write positions (tokens); each < ``key_length``.
         key_length: K, keys returned per row (tokens), ``max(positions) + 1`` for a decode step.
+        slot_bound: ``max(slots) + 1`` or a larger slot count, or None (computed when needed).
     """
 
-    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, key_length: int) -> None:
+    def __init__(self, cache: SlotCache, slots: torch.Tensor, positions: torch.Tensor, key_length: int,
+                 slot_bound: int | None = None) -> None:
         self.cache = cache
         self.slots = slots.long().cpu()
         self.positions = positions.long().cpu()
         self.key_length = key_length
+        self._bound = slot_bound
+
+    @property
+    def slot_bound(self) -> int:
+        """Slots ``0 .. slot_bound - 1`` include every row's (the buffer rows a write needs)."""
+        if self._bound is None:
+            self._bound = int(self.slots.max()) + 1 if len(self.slots) else 1
+        return self._bound
 
     @property
     def leading(self) -> bool:
@@ -307,7 +337,7 @@ class SlotView:
     def rows(self, rows: torch.Tensor) -> "SlotView":
         """The view restricted to batch rows ``rows`` (B',) (long indices)."""
         rows = rows.cpu()
-        return SlotView(self.cache, self.slots[rows], self.positions[rows], self.key_length)
+        return SlotView(self.cache, self.slots[rows], self.positions[rows], self.key_length, self._bound)
 
     def check(self, layer_idx: int) -> None:
         """Raise RuntimeError unless every row's cached length at ``layer_idx`` equals its position:
@@ -347,7 +377,7 @@ class SlotView:
         cache = self.cache
         if cache.keys[layer_idx] is None:
             return None
-        cache._ensure(layer_idx, cache.keys[layer_idx], cache.values[layer_idx], self.key_length)
+        cache._ensure(layer_idx, cache.keys[layer_idx], cache.values[layer_idx], self.key_length, self.slot_bound)
         k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
         positions = self.positions.to(k_buf.device)
         if self.leading:
@@ -378,7 +408,7 @@ class SlotView:
         if key_states.shape[-2] != 1:
             raise ValueError(f"a SlotView step writes one token per row, got {key_states.shape[-2]}")
         cache = self.cache
-        cache._ensure(layer_idx, key_states, value_states, self.key_length)
+        cache._ensure(layer_idx, key_states, value_states, self.key_length, self.slot_bound)
         k_buf, v_buf = cache.keys[layer_idx], cache.values[layer_idx]
         slots, pos = self.slots.to(k_buf.device), self.positions.to(k_buf.device)
         k_buf[slots, :, pos] = key_states[:, :, 0]

@@ -397,7 +397,7 @@ class Engine:
             counts.append(len(active))
         mask = (torch.arange(K)[None, :] <= positions[:, None]).long()
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long)
-        view = self.cache.view(slots, positions, K)
+        view = self.cache.view(slots, positions, K, slot_bound=max(r.slot for r in rows) + 1)
         with base_rows(self.adapter.model, row_layers.all(dim=1)):  # full-depth rows: the base model's weights
             logits = skip_forward(
                 self.adapter, tokens.to(self.device), mask.to(self.device),
