@@ -132,3 +132,15 @@ def test_real_server_with_the_openai_client_and_concurrent_bad_keys(keyed_server
         assert resp.choices[0].text == sk.generate([p], max_new_tokens=5).texts[0]
     assert results[8:] == [401] * 8
     assert httpx.get(keyed_server + "/v1/models", timeout=10).status_code == 401  # no key at all
+
+
+@pytest.mark.parametrize("name", ["", "   "])
+def test_an_empty_served_model_name_is_refused(sk, name):
+    """``serve --name ''`` started a server no request could name (404 for every model);
+    both entry points refuse it, naming the option."""
+    with pytest.raises(ValueError, match="model_name must be a non-empty string"):
+        create_app(sk, name)
+    res = CliRunner().invoke(cli_app, ["serve", "--name", name, "--model", "no_such_model_dir"], env={"COLUMNS": "200"})
+    message = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "--name must be a non-empty model name" in message and "no_such_model_dir" not in message, res.output

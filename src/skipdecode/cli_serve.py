@@ -92,6 +92,8 @@ def serve(
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
+    if not name.strip():
+        fail(f"--name must be a non-empty model name (requests name it in 'model'), got {name!r}")
     if api_key is None and os.environ.get("SKIPDECODE_API_KEY") is not None:
         fail("SKIPDECODE_API_KEY is set but empty; give it the key, or unset it to serve without a key")
     if api_key is not None:

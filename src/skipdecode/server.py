@@ -505,8 +505,11 @@ def create_app(
             [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
             (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
             ``api_key`` as :func:`check_api_key` refuses it; a ``policy_defaults`` key outside
-            :data:`~skipdecode.protocol.SHAPE_FIELDS`.
+            :data:`~skipdecode.protocol.SHAPE_FIELDS`; ``model_name`` empty or blank (no
+            request could name it).
     """
+    if not isinstance(model_name, str) or not model_name.strip():
+        raise ValueError(f"model_name must be a non-empty string (requests name it in 'model'), got {model_name!r}")
     if api_key is not None:
         api_key = check_api_key(api_key)
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
