@@ -27,7 +27,7 @@ class DecodeWrite:
     graph (:mod:`skipdecode.compiled`), with the bookkeeping left to the cache.
 
     Attributes:
-        keys: the layer's key buffer, (B or S, H_kv, capacity, D).
+        keys: the layer's key buffer, (B or R, H_kv, capacity, D); R the slot buffers' rows (:class:`SlotCache`).
         values: its value buffer, same shape.
         key_length: K, keys returned per row after the write (tokens; in a :class:`SlotView`
             ``max(positions) + 1``, each row's attention mask hiding the positions after its own).
@@ -362,7 +362,7 @@ class SlotView:
 
     def decode_write(self, layer_idx: int, rows: int) -> "DecodeWrite | None":
         """Where a compiled decode step writes row i's new token in layer ``layer_idx``: slot
-        ``slots[i]``, position ``positions[i]`` of the layer's (S, H_kv, capacity, D) buffers
+        ``slots[i]``, position ``positions[i]`` of the layer's (R, H_kv, capacity, D) buffers (R rows: the slots used so far)
         (doubled first if needed), returning ``key_length`` keys per row. Rows that are slots
         0..B-1 in order (:attr:`leading`, the engine's usual layout: free slots are taken lowest
         first) get the buffers' first B rows, ``slots`` None, and the graph reads their keys in

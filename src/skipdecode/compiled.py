@@ -153,7 +153,7 @@ class _TracedWrite:
 
     ``keys``/``values`` are (B, H_kv, capacity, D) buffers holding batch row i in their row i
     (a :class:`~skipdecode.cache.SkipCache`, or the first B slots of a slot cache, ``slots``
-    None), or (S, H_kv, capacity, D) slot buffers with ``slots`` (B,) mapping rows to slots
+    None), or (R, H_kv, capacity, D) slot buffers (R rows: the slots used so far) with ``slots`` (B,) mapping rows to slots
     (their keys gathered). ``positions`` (B,) are the write positions; None: every row writes at
     ``key_length - 1``.
     """
@@ -416,7 +416,7 @@ def _mark_dynamic(hidden: torch.Tensor, attention_mask: torch.Tensor | None, ext
                   prefill: bool) -> None:
     """Mark a layer call's varying sizes symbolic before its first compile, so that a new batch
     size (or, in a prefill, prompt length or key length) compiles nothing: the cache buffers'
-    rows and capacity (``write``, a :class:`~skipdecode.cache.DecodeWrite`: (B or S, H_kv,
+    rows and capacity (``write``, a :class:`~skipdecode.cache.DecodeWrite`: (B or R, H_kv,
     capacity, D)); the batch B (dimension 0 of every input and of a slot view's (B,) slots and
     positions, when B > 1; a batch of one keeps its own graph); and, with ``prefill``, the new
     tokens T (``hidden`` (B, T, C), dimension 1 of every extra of T positions such as position ids
