@@ -17,7 +17,7 @@ from torch import nn
 from conftest import FAMILIES, make_model, make_tokenizer
 from test_train import cfg, examples
 from skipdecode import SkipModel, load
-from skipdecode.layout import (WeightLeftLinear, column_major, is_column_major, is_weight_left, row_major,
+from skipdecode.layout import (LINEAR_MIN_ROWS, WeightLeftLinear, column_major, is_column_major, is_weight_left, row_major,
                                weight_left)
 from skipdecode.policy import LinearDecayPolicy
 from skipdecode.train import train
@@ -35,7 +35,7 @@ def _answers(sk, ids):
                                   for p in (sk.policy_for(speedup=1.0), policy)}
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 17])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 17, LINEAR_MIN_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_first_product_equals_f_linear(rows, bias):
     """(..., K) -> (..., N) for 2-D and 3-D inputs, a single row padded and cut back."""
@@ -49,6 +49,30 @@ def test_weight_first_product_equals_f_linear(rows, bias):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     x3 = torch.randn(3, rows, 24)
     torch.testing.assert_close(layer(x3), F.linear(x3, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
+
+
+def test_a_long_prefill_gives_sdpa_a_row_major_query_and_equals_hugging_face(monkeypatch):
+    """A loaded (weight-first) model's eager prefill of LINEAR_MIN_ROWS or more tokens hands PyTorch's
+    SDPA queries whose last dimension is contiguous (a strided one sends SDPA to its math kernel,
+    which holds the whole score matrix: 1.9x slower at 2048 tokens), and its logits equal the
+    unmodified model's."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    plain = make_model("llama")
+    sk = SkipModel(make_model("llama"), make_tokenizer())
+    assert weight_left(sk.model) > 0
+    strides = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *a, **kw):
+        strides.append(query.stride(-1))
+        return real(query, *a, **kw)
+    monkeypatch.setattr(hf_sdpa.torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids = torch.randint(5, 90, (1, LINEAR_MIN_ROWS + 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = sk.model(ids).logits
+        assert strides == [1] * 6  # one call per layer, every query row-major
+        torch.testing.assert_close(got, plain(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (1, 1, 24), (3, 24)])

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import onednn
 
-__all__ = ["WeightLeftLinear", "weight_left", "is_weight_left", "column_major", "row_major", "contiguous_weights",
+__all__ = ["LINEAR_MIN_ROWS", "WeightLeftLinear", "weight_left", "is_weight_left", "column_major", "row_major", "contiguous_weights",
            "is_column_major"]
 
 
@@ -120,6 +120,16 @@ def is_weight_left(model: nn.Module) -> bool:
     return any(type(m) is WeightLeftLinear for m in model.modules())
 
 
+#: products of this many rows or more (eagerly, without oneDNN) run ``F.linear``: from about 100
+#: rows it is as fast as the weight-first GEMM on the 2-core AMD EPYC (family 26) host (128-2048
+#: rows of SmolLM2-135M's 576 x 576, 1536 x 576 and 576 x 1536 weights: within 4 %; at 64 rows,
+#: a large static decode batch, up to 10 % slower), and its output is row-major. The weight-first
+#: product's is transposed, and a query with a strided last dimension sends PyTorch's SDPA to its
+#: math kernel, which holds the whole (T, K) score matrix: a 2048-token float32 prefill took 7.8 s
+#: against 4.2 s (stop 58; docs/serving.md "Chunked prefill")
+LINEAR_MIN_ROWS = 128
+
+
 class WeightLeftLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, ``state_dict`` keys and hooks) whose CPU float32 product
     is computed weight-first: ``y = (W @ x^T)^T`` with the row-major weight ``W``
@@ -132,11 +142,12 @@ class WeightLeftLinear(nn.Linear):
     (:func:`torch.compiler.is_compiling`), a single row is ``(x * W).sum(-1)`` instead: inductor
     fuses it into one reduction loop over the weight (module docstring). With ``onednn`` set
     (:func:`skipdecode.onednn.enable`, done by ``compile=True``), products of 3 or more rows go
-    to oneDNN's prepacked weight instead (:mod:`skipdecode.onednn`).
+    to oneDNN's prepacked weight instead (:mod:`skipdecode.onednn`). Otherwise products of
+    :data:`LINEAR_MIN_ROWS` or more rows (prefills) run ``F.linear``.
 
     Input ``x`` (..., in_features) -> output (..., out_features), a view of the GEMM's
-    (out_features, M) result (M = rows of ``x``; non-contiguous for M > 1, as a transposed
-    product is). Other dtypes, devices or a non-contiguous weight fall back to ``F.linear``.
+    (out_features, M) result (M = rows of ``x``; non-contiguous for 1 < M < :data:`LINEAR_MIN_ROWS`,
+    as a transposed product is). Other dtypes, devices or a non-contiguous weight fall back to ``F.linear``.
     """
 
     #: set by :func:`skipdecode.onednn.enable`: products of ``onednn.MIN_ROWS`` or more rows use
@@ -166,6 +177,8 @@ class WeightLeftLinear(nn.Linear):
             return y.reshape(*x.shape[:-1], w.shape[0])
         if one:
             x2 = torch.cat([x2, x2])  # a real copy: a stride-0 expand would make MKL copy per call, slower
+        if x2.shape[0] >= LINEAR_MIN_ROWS:  # a prefill: F.linear is as fast, and its output row-major
+            return F.linear(x, w, self.bias)
         y = torch.mm(w, x2.t()).t()
         if one:
             y = y[:1]
