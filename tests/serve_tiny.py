@@ -2,6 +2,7 @@
 
     python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
                                 [--step-delay S] [--no-prefix-cache] [--chain] [--fail-seed S]
+                                [--prefill-chunk-tokens C]
 
 ``--chain`` serves conftest's chain model instead (after ``CHAIN_PROMPT`` it writes ``CHAIN_TEXT``,
 then EOS, then ``CHAIN_TEXT`` again), for tests that need a known answer length.
@@ -67,10 +68,11 @@ def main() -> None:
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--fail-seed", type=int, default=None)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
-        for name in ("skipdecode.engine", "skipdecode.generate"):  # whichever drives the model
+        for name in ("skipdecode.engine", "skipdecode.generate", "skipdecode.chunked_prefill"):  # whichever drives the model
             try:
                 module = importlib.import_module(name)
             except ImportError:
@@ -93,6 +95,8 @@ def main() -> None:
         kwargs["stream_interval"] = args.stream_interval
     if args.api_key is not None:
         kwargs["api_key"] = args.api_key
+    if args.prefill_chunk_tokens is not None:
+        kwargs["prefill_chunk_tokens"] = args.prefill_chunk_tokens
     tok = make_tokenizer()
     model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)

@@ -69,6 +69,7 @@ def serve(
     cohort_size: int = typer.Option(1, "--cohort-size", help=COHORT_HELP.format(what="requests")),
     align_steps: Optional[int] = typer.Option(None, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (default 8 in flight, 0 with --serial; 0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
+    prefill_chunk_tokens: int = typer.Option(256, "--prefill-chunk-tokens", help="Chunked prefill: a prompt with more tokens than this to compute is prefilled this many tokens per engine step, between the running rows' decode steps, so that running streams keep going meanwhile (outputs unchanged; 0: off, a long prompt holds every running row for its whole prefill; docs/serving.md)."),
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed event: a row's tokens are sent in groups of this many (its first and last token at once), as vLLM's and SGLang's --stream-interval; larger values spend less CPU per token on HTTP and client (docs/serving.md). 1: one event per token."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
@@ -90,6 +91,8 @@ def serve(
         fail(f"--max-waiting must be >= 0, got {max_waiting}")
     if align_steps is not None and align_steps < 0:
         fail(f"--align-steps must be >= 0, got {align_steps}")
+    if prefill_chunk_tokens < 0:
+        fail(f"--prefill-chunk-tokens must be >= 0 (tokens per prefill chunk; 0: off), got {prefill_chunk_tokens}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
     if not name.strip():
@@ -133,7 +136,7 @@ def serve(
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy: {policy}){key_note}", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
-                      stream_interval=stream_interval, api_key=api_key,
+                      prefill_chunk_tokens=prefill_chunk_tokens, stream_interval=stream_interval, api_key=api_key,
                       policy_defaults={k: v for k, v in (("warmup_layers", warmup_layers), ("horizon", horizon),
                                                          ("full_depth_steps", full_depth_steps)) if v is not None})
     uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())

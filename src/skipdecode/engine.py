@@ -30,6 +30,7 @@ import torch
 from .adapters import Adapter
 from .admission import check_align_steps, may_join
 from .cache import SkipCache, SlotCache
+from .chunked_prefill import PartialPrefill, check_prefill_chunk_tokens, run_chunk, start_partial
 from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
@@ -79,7 +80,8 @@ class Row:
         tokens: generated ids so far.
         finished: True once it ended; ``reason`` is then "eos", "stop", "length" or "cancelled".
         layers_run: layers run at each of its decode steps t >= 1.
-        prefill_seconds: wall-clock time of the prefill it joined with (its time to first token), s.
+        prefill_seconds: wall-clock time of the prefill it joined with (its time to first token;
+            for a chunked prefill, its chunks' time summed), s.
         decode_seconds: wall-clock time of the engine steps it took part in, s.
         joined_at: engine step count when it joined (for tests and statistics).
         cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead
@@ -164,22 +166,29 @@ class Engine:
             own logits) ends with reason "error" and goes to :attr:`failures` while the other rows
             go on (the server: one request's failure never fails the others); False (default):
             :meth:`step` raises, as a library call should.
+        prefill_chunk_tokens: C > 0 (tokens): a joining request with more than C prompt tokens
+            to compute (after any prefix-cache hit) is prefilled C tokens per engine step, after
+            the running rows' decode step, so they keep decoding meanwhile; it holds its slot and
+            joins when its last chunk is done (:mod:`skipdecode.chunked_prefill`; outputs are
+            unchanged). 0 (default): every prompt is prefilled whole in the step it joins at.
 
     Attributes:
         prefix_cache: the :class:`~skipdecode.prefix_cache.PrefixCache`, or None when off; its
             ``stats()`` are the engine's prefix-cache statistics.
         failures: with ``isolate_failures``, ``(row, exception)`` of each row ended that way since
             the caller last emptied it (the scheduler delivers and clears them after each step).
+        prefilling: the :class:`~skipdecode.chunked_prefill.PartialPrefill` of each request whose
+            prompt is being prefilled in chunks, oldest first (only the first advances).
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``],
-            ``align_steps`` < 0, or a ``prefix_cache`` that is not True, False or a token budget
-            (0 or >= 8).
+            ``align_steps`` < 0, a ``prefix_cache`` that is not True, False or a token budget
+            (0 or >= 8), or a ``prefill_chunk_tokens`` that is not an integer >= 0.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
                  cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0,
-                 isolate_failures: bool = False) -> None:
+                 isolate_failures: bool = False, prefill_chunk_tokens: int = 0) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
@@ -188,6 +197,8 @@ class Engine:
         self.prefix_cache = PrefixCache(budget) if budget else None
         self.cohort_size = cohort_size
         self.align_steps = check_align_steps(align_steps)
+        self.prefill_chunk_tokens = check_prefill_chunk_tokens(prefill_chunk_tokens)
+        self.prefilling: deque[PartialPrefill] = deque()
         self._queued_at: dict[int, int] = {}  # id(request) -> engine step it was submitted at
         self.adapter = adapter
         self.max_batch_size = max_batch_size
@@ -240,14 +251,20 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """True while a request runs or waits."""
-        return bool(self.running or self.waiting)
+        """True while a request runs, is being prefilled in chunks, or waits."""
+        return bool(self.running or self.prefilling or self.waiting)
+
+    def held_requests(self) -> list[Request]:
+        """Every request the engine holds: running, being prefilled in chunks, then waiting."""
+        return [r.request for r in self.running] + [p.request for p in self.prefilling] + list(self.waiting)
 
     # -- step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         """One engine step: drop cancelled requests, decode one token for every running row
-        (each with its own plan), then prefill waiting requests into free slots (their token 0).
+        (each with its own plan), prefill waiting requests into free slots (their token 0; with
+        ``prefill_chunk_tokens``, a long prompt starts a chunked prefill instead), then run the
+        next chunk of the oldest chunked prefill (its token 0 when it was the last).
 
         Returns the step's :class:`TokenEvent` list (cancelled rows get none).
 
@@ -264,6 +281,8 @@ class Engine:
                 self._queued_at.pop(id(joiners[-1]), None)
         if joiners:
             events += self._prefill(joiners)
+        if self.prefilling:
+            events += self._advance_prefill()
         self.steps += 1
         self.generated_tokens += len(events)
         return events
@@ -284,6 +303,9 @@ class Engine:
         for row in [r for r in self.running if id(r.request) in self._cancelled]:
             row.finished, row.reason = True, "cancelled"
             self._release(row)
+        for part in [p for p in self.prefilling if id(p.request) in self._cancelled]:
+            self.prefilling.remove(part)
+            heapq.heappush(self.free_slots, part.slot)  # its slot was never loaded
         self._cancelled.clear()
 
     def _release(self, row: Row) -> None:
@@ -295,13 +317,26 @@ class Engine:
         """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), each prompt
         after the stored prefix it starts with (none: the whole prompt), in left-padded batches of
         similar remaining lengths (:func:`length_buckets`) whatever prefix each row starts from
-        (:func:`~skipdecode.prefix_cache.prefix_skip_cache`); then store newly shared prefixes."""
+        (:func:`~skipdecode.prefix_cache.prefix_skip_cache`); then store newly shared prefixes.
+        With ``prefill_chunk_tokens`` C, a joiner with more than C tokens left to compute starts
+        a chunked prefill instead (:attr:`prefilling`) and emits nothing yet."""
         start = time.perf_counter()
         slots = [heapq.heappop(self.free_slots) for _ in joiners]
         pc = self.prefix_cache
         if pc is not None:
             self._reuse_recent_prefixes(joiners)
         matches = [pc.lookup(r.prompt_ids) if pc is not None else (None, 0) for r in joiners]
+        C = self.prefill_chunk_tokens
+        whole = [i for i, (r, (_, p)) in enumerate(zip(joiners, matches)) if not C or len(r.prompt_ids) - p <= C]
+        for i in sorted(set(range(len(joiners))) - set(whole)):
+            entry = matches[i][0]
+            if entry is not None:
+                entry.hits += 1
+            self.prefilling.append(start_partial(self.adapter, joiners[i], slots[i], entry))
+        if not whole:
+            self._count_prefill(start)
+            return []
+        joiners, slots, matches = [joiners[i] for i in whole], [slots[i] for i in whole], [matches[i] for i in whole]
         batches = length_buckets([len(r.prompt_ids) - p for r, (_, p) in zip(joiners, matches)])
         logits: list[torch.Tensor | None] = [None] * len(joiners)
         for idx in batches:
@@ -309,19 +344,45 @@ class Engine:
                                       [matches[i][0] for i in idx])
             for k, i in enumerate(idx):
                 logits[i] = out[k]
+        return self._join(joiners, slots, [p for _, p in matches], torch.stack(logits), start)
+
+    def _advance_prefill(self) -> list[TokenEvent]:
+        """Run the next chunk of the oldest chunked prefill; when it was the last, load the
+        prompt's K/V into the request's slot and join it to the running rows (its token 0)."""
+        start = time.perf_counter()
+        part = self.prefilling[0]
+        logits = run_chunk(self.adapter, part, self.prefill_chunk_tokens, self.device)
+        if logits is None:
+            part.seconds += self._count_prefill(start)
+            return []
+        self.prefilling.popleft()
+        P = len(part.request.prompt_ids)
+        self.cache.load_prefill(part.slot, part.cache, 0, 0, P)
+        return self._join([part.request], [part.slot], [part.cached], logits[None], start, part.seconds)
+
+    def _count_prefill(self, start: float) -> float:
+        """Add the time since ``start`` to the engine's prefill time; return it (s)."""
+        seconds = time.perf_counter() - start
+        self.prefill_seconds += seconds
+        return seconds
+
+    def _join(self, reqs: list[Request], slots: list[int], cached: list[int], logits: torch.Tensor,
+              start: float, earlier_seconds: float = 0.0) -> list[TokenEvent]:
+        """Make running rows of prefilled ``reqs`` (in ``slots``, ``cached`` prompt tokens from the
+        prefix cache each), store newly shared prefixes, and emit their token 0 from ``logits``
+        (B, V). ``earlier_seconds``: time of earlier chunks of a chunked prefill (s)."""
         rows = [
             Row(r, slot, len(r.prompt_ids), Sampler(r.sampling or SamplingParams(), device=self.device),
                 joined_at=self.steps, cached_prompt_tokens=p)
-            for r, slot, (_, p) in zip(joiners, slots, matches)
+            for r, slot, p in zip(reqs, slots, cached)
         ]
-        if pc is not None:
+        if self.prefix_cache is not None:
             self._store_shared_prefixes(rows)
-        seconds = time.perf_counter() - start
+        seconds = self._count_prefill(start)
         for row in rows:
-            row.prefill_seconds = seconds
-        self.prefill_seconds += seconds
+            row.prefill_seconds = earlier_seconds + seconds
         self.running = sorted(self.running + rows, key=lambda row: row.slot)
-        return self._emit(rows, torch.stack(logits), [self.adapter.num_layers] * len(rows), start)
+        return self._emit(rows, logits, [self.adapter.num_layers] * len(rows), start)
 
     def _prefill_group(self, reqs: list[Request], slots: list[int],
                        entries: list[PrefixEntry | None]) -> torch.Tensor:

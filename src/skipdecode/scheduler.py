@@ -70,18 +70,24 @@ class Scheduler:
             budget), a token budget, or False/0 (off).
         align_steps: the engine's age alignment (:class:`Engine`, :mod:`skipdecode.admission`):
             waiting requests wait at most this many steps while every running row is older (0: off).
+        prefill_chunk_tokens: the engine's chunked prefill (:class:`Engine`,
+            :mod:`skipdecode.chunked_prefill`): prompts with more tokens to compute are prefilled
+            this many tokens per step while the running rows go on decoding (0: off).
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``.
+            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, or a bad
+            ``prefix_cache``.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256,
-                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0) -> None:
+                 cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0,
+                 prefill_chunk_tokens: int = 0) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
-        self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps)
+        self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
+                                    prefill_chunk_tokens=prefill_chunk_tokens)
         self.engine = Engine(adapter, max_batch_size, isolate_failures=True, **self._engine_options)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -134,7 +140,8 @@ class Scheduler:
             self._wake.notify()
 
     def stats(self) -> dict[str, Any]:
-        """``running``, ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
+        """``running``, ``prefilling`` (rows whose prompt is being prefilled in chunks; they hold
+        a slot), ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
         far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
         and in decode steps so far, s; the rest of the server's time the engine waited or
         delivered events), ``cancelled`` requests, the sizes, and ``prefix_cache``: the engine's
@@ -144,6 +151,7 @@ class Scheduler:
             pc = self.engine.prefix_cache
             return {
                 "running": len(self.engine.running),
+                "prefilling": len(self.engine.prefilling),
                 "waiting": len(self._inbox) + len(self.engine.waiting),
                 "steps": self.engine.steps,
                 "decode_steps": self.engine.decode_steps,
@@ -155,6 +163,7 @@ class Scheduler:
                 "max_waiting": self.max_waiting,
                 "cohort_size": self.engine.cohort_size,
                 "align_steps": self.engine.align_steps,
+                "prefill_chunk_tokens": self.engine.prefill_chunk_tokens,
                 "prefix_cache": None if pc is None else pc.stats(),
             }
 
@@ -209,7 +218,7 @@ class Scheduler:
             if sink is None:
                 continue  # a row of a caller that failed earlier in this step
             siblings = {k for k, s in self._sinks.items() if s is sink}
-            for r in [r.request for r in self.engine.running] + list(self.engine.waiting):
+            for r in self.engine.held_requests():
                 if id(r) in siblings:
                     self.engine.cancel(r)
             for key in siblings:

@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .admission import SERVE_ALIGN_STEPS
+from .chunked_prefill import SERVE_PREFILL_CHUNK_TOKENS
 from .execution import Executor, Submission
 from .generate import GenerationResult
 from .jsonio import dumps, json_safe
@@ -460,6 +461,7 @@ def create_app(
     cohort_size: int = 1,
     prefix_cache: bool | int = True,
     align_steps: int = SERVE_ALIGN_STEPS,
+    prefill_chunk_tokens: int = SERVE_PREFILL_CHUNK_TOKENS,
     stream_interval: int = 1,
     api_key: Optional[str] = None,
     policy_defaults: Optional[Mapping[str, int]] = None,
@@ -476,7 +478,11 @@ def create_app(
     before it is read. ``prefix_cache`` is the engine's automatic prefix caching (True: the
     default token budget, an integer: that budget, False/0: off; :class:`~skipdecode.engine.Engine`):
     prompts that share a prefix with recent ones prefill only the rest; each response's
-    ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens. The app's
+    ``usage.prompt_tokens_details.cached_tokens`` counts its reused prompt tokens.
+    ``prefill_chunk_tokens`` C (tokens; default
+    :data:`~skipdecode.chunked_prefill.SERVE_PREFILL_CHUNK_TOKENS`, 0 when ``serial``; 0: off):
+    a prompt with more than C tokens to compute is prefilled C tokens per engine step while the
+    running rows go on decoding (:mod:`skipdecode.chunked_prefill`). The app's
     ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included);
     ``state.metrics`` the app's :class:`~skipdecode.server_metrics.ServerMetrics`, its own
     Prometheus registry, which ``GET /metrics`` serves.
@@ -502,8 +508,8 @@ def create_app(
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], ``align_steps`` < 0, or a bad ``prefix_cache``
-            (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
+            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, or a bad
+            ``prefix_cache`` (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
             ``api_key`` as :func:`check_api_key` refuses it; a ``policy_defaults`` key outside
             :data:`~skipdecode.protocol.SHAPE_FIELDS`; ``model_name`` empty or blank (no
             request could name it).
@@ -522,7 +528,8 @@ def create_app(
                   default_response_class=StrictJSONResponse)
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
                           cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache,
-                          align_steps=0 if serial else align_steps)
+                          align_steps=0 if serial else align_steps,
+                          prefill_chunk_tokens=0 if serial else prefill_chunk_tokens)
     executor = Executor(model, scheduler, stream_interval)
     app.state.scheduler = scheduler
     app.state.metrics = ServerMetrics(scheduler, model.num_layers)
