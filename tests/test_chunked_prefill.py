@@ -100,6 +100,33 @@ def test_running_rows_decode_at_every_step_of_a_chunked_prefill(monkeypatch):
     assert [n for kind, _, n in whole if kind == "prefill"] == [5, 50]  # off: one forward of the whole prompt
 
 
+def test_a_chunked_rows_prefill_seconds_run_from_its_admission_to_its_first_token(monkeypatch):
+    """usage.skipdecode.prefill_seconds is the time to first token after the queue: for a chunked
+    prefill it spans the decode steps between its chunks (3 decode steps of at least 0.05 s each
+    run between its first chunk and its last), not only its chunks' own time."""
+    import skipdecode.engine as engine_mod
+
+    real = engine_mod.skip_forward
+
+    def slow_decode(*a, **kw):
+        if kw.get("row_layers") is not None:
+            time.sleep(0.05)
+        return real(*a, **kw)
+    monkeypatch.setattr(engine_mod, "skip_forward", slow_decode)
+    eng = Engine(adapter_of("llama"), max_batch_size=4, prefill_chunk_tokens=C)
+    short, long_ = Request(prompt(5, 1), 12), Request(prompt(50, 2), 2)
+    eng.submit(short)
+    eng.step()
+    eng.submit(long_)
+    chunk_seconds, first = [], None
+    while first is None:
+        eng.step()
+        chunk_seconds = [p.seconds for p in eng.prefilling] or chunk_seconds
+        first = next((r for r in eng.running if r.request is long_), None)
+    assert first.prefill_seconds >= 3 * 0.05
+    assert first.prefill_seconds > chunk_seconds[0] + 3 * 0.05  # its earlier chunks and the decode steps between
+
+
 @pytest.mark.parametrize("n, forwards", [(C, [C]), (C + 1, [C, 1]), (3 * C, [C, C, C])])
 def test_a_prompt_is_chunked_only_beyond_the_chunk(monkeypatch, n, forwards):
     adapter = adapter_of("llama")

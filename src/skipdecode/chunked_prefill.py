@@ -77,6 +77,7 @@ class PartialPrefill:
         cached: leading prompt tokens that came from the prefix cache (tokens).
         seconds: wall-clock time of its chunks so far (s).
         chunks: forwards run so far.
+        started: ``time.perf_counter()`` when it left the waiting queue (s).
     """
 
     request: Any
@@ -86,6 +87,7 @@ class PartialPrefill:
     cached: int = 0
     seconds: float = 0.0
     chunks: int = 0
+    started: float = 0.0
 
     @property
     def remaining(self) -> int:
@@ -93,14 +95,17 @@ class PartialPrefill:
         return len(self.request.prompt_ids) - self.done
 
 
-def start_partial(adapter: Adapter, request: Any, slot: int, entry: PrefixEntry | None) -> PartialPrefill:
+def start_partial(adapter: Adapter, request: Any, slot: int, entry: PrefixEntry | None,
+                  started: float = 0.0) -> PartialPrefill:
     """A :class:`PartialPrefill` for ``request`` in ``slot``, starting after ``entry`` (a stored
     prefix of its prompt, :mod:`skipdecode.prefix_cache`; None: from position 0), whose K/V are
-    copied into the partial's own cache of capacity P (the prompt's length, tokens)."""
+    copied into the partial's own cache of capacity P (the prompt's length, tokens); ``started``:
+    when it left the waiting queue (``time.perf_counter()``, s)."""
     P = len(request.prompt_ids)
     if entry is None:
-        return PartialPrefill(request, slot, SkipCache(adapter.num_layers, capacity=P), 0)
-    return PartialPrefill(request, slot, prefix_skip_cache([entry], capacity=P), entry.length, cached=entry.length)
+        return PartialPrefill(request, slot, SkipCache(adapter.num_layers, capacity=P), 0, started=started)
+    return PartialPrefill(request, slot, prefix_skip_cache([entry], capacity=P), entry.length, cached=entry.length,
+                          started=started)
 
 
 def run_chunk(adapter: Adapter, part: PartialPrefill, chunk_tokens: int, device: torch.device) -> torch.Tensor | None:

@@ -80,8 +80,9 @@ class Row:
         tokens: generated ids so far.
         finished: True once it ended; ``reason`` is then "eos", "stop", "length" or "cancelled".
         layers_run: layers run at each of its decode steps t >= 1.
-        prefill_seconds: wall-clock time of the prefill it joined with (its time to first token;
-            for a chunked prefill, its chunks' time summed), s.
+        prefill_seconds: wall-clock time from leaving the waiting queue to its first token: the
+            prefill it joined with (for a chunked prefill, from its first chunk to its last, the
+            decode steps between them included), s.
         decode_seconds: wall-clock time of the engine steps it took part in, s.
         joined_at: engine step count when it joined (for tests and statistics).
         cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead
@@ -332,7 +333,7 @@ class Engine:
             entry = matches[i][0]
             if entry is not None:
                 entry.hits += 1
-            self.prefilling.append(start_partial(self.adapter, joiners[i], slots[i], entry))
+            self.prefilling.append(start_partial(self.adapter, joiners[i], slots[i], entry, start))
         if not whole:
             self._count_prefill(start)
             return []
@@ -358,7 +359,7 @@ class Engine:
         self.prefilling.popleft()
         P = len(part.request.prompt_ids)
         self.cache.load_prefill(part.slot, part.cache, 0, 0, P)
-        return self._join([part.request], [part.slot], [part.cached], logits[None], start, part.seconds)
+        return self._join([part.request], [part.slot], [part.cached], logits[None], start, part.started)
 
     def _count_prefill(self, start: float) -> float:
         """Add the time since ``start`` to the engine's prefill time; return it (s)."""
@@ -367,10 +368,12 @@ class Engine:
         return seconds
 
     def _join(self, reqs: list[Request], slots: list[int], cached: list[int], logits: torch.Tensor,
-              start: float, earlier_seconds: float = 0.0) -> list[TokenEvent]:
+              start: float, admitted: float | None = None) -> list[TokenEvent]:
         """Make running rows of prefilled ``reqs`` (in ``slots``, ``cached`` prompt tokens from the
         prefix cache each), store newly shared prefixes, and emit their token 0 from ``logits``
-        (B, V). ``earlier_seconds``: time of earlier chunks of a chunked prefill (s)."""
+        (B, V). ``start``: when this step's prefill work began; ``admitted``: when a chunked
+        prefill's request left the queue (its rows' ``prefill_seconds`` count from then, the
+        decode steps between its chunks included; None: from ``start``), ``time.perf_counter()`` s."""
         rows = [
             Row(r, slot, len(r.prompt_ids), Sampler(r.sampling or SamplingParams(), device=self.device),
                 joined_at=self.steps, cached_prompt_tokens=p)
@@ -380,7 +383,7 @@ class Engine:
             self._store_shared_prefixes(rows)
         seconds = self._count_prefill(start)
         for row in rows:
-            row.prefill_seconds = earlier_seconds + seconds
+            row.prefill_seconds = seconds if admitted is None else time.perf_counter() - admitted
         self.running = sorted(self.running + rows, key=lambda row: row.slot)
         return self._emit(rows, logits, [self.adapter.num_layers] * len(rows), start)
 
