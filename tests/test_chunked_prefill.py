@@ -289,3 +289,57 @@ def test_compiled_chunks_equal_eager_and_compile_nothing_new(tokenizer):
     for (toks, logits, _), (want_toks, want_logits, _) in zip(got, want):
         assert toks == want_toks
         assert (logits - want_logits).abs().max().item() <= 1e-5
+
+
+def test_requests_with_the_same_prompt_are_prefilled_once(monkeypatch):
+    """A request's n choices (the same prompt, their own seeds) joining at one step: the prompt
+    runs once, whole (one left-padded 2-row forward for 3 twins and another prompt) or in chunks
+    (4 forwards for 3 twins of 50 tokens), every twin's slot holds the whole prompt in every
+    layer, and each choice equals its solo seeded sample; twins count their prompt as cached."""
+    adapter = adapter_of("llama")
+    sizes = forward_sizes(monkeypatch)
+    for n_tokens, forwards in ((12, [(2, 12)]), (50, [(1, 5)] + [(1, 16)] * 3 + [(1, 2)])):
+        sizes.clear()
+        same = prompt(n_tokens, 60)
+        reqs = [Request(same, 6, POLICIES[1], SamplingParams(temperature=1.0, seed=j)) for j in range(3)]
+        reqs.append(Request(prompt(5, 61), 4))
+        eng = Engine(adapter, 4, prefill_chunk_tokens=C, prefix_cache=False)
+        joined = {}
+        for r in reqs:
+            eng.submit(r)
+        got = {id(r): [] for r in reqs}
+        while eng.busy:
+            for ev in eng.step():
+                got[id(ev.row.request)].append(ev.token)
+                if ev.step == 0:
+                    joined[id(ev.row.request)] = ev.row
+                    assert eng.cache.lengths[:, ev.row.slot].tolist() == [len(ev.row.request.prompt_ids)] * L
+        assert sorted((rows, k) for kind, rows, k in sizes if kind == "prefill") == sorted(forwards)
+        assert [joined[id(r)].cached_prompt_tokens for r in reqs] == [0, n_tokens, n_tokens, 0]
+        for r in reqs:
+            assert got[id(r)] == solo(adapter, list(r.prompt_ids), r.policy, r.max_new_tokens, r.sampling)[0]
+
+
+def test_cancelling_the_first_of_twins_in_a_chunked_prefill_hands_it_on():
+    adapter = adapter_of("llama")
+    same = prompt(50, 70)
+    a, b = Request(same, 4), Request(same, 5, POLICIES[2])
+    eng = Engine(adapter, 2, prefill_chunk_tokens=C)
+    eng.submit(a)
+    eng.submit(b)
+    eng.step()  # both admitted, the first chunk runs
+    assert len(eng.prefilling) == 1 and eng.held_requests() == [a, b] and eng.free_slots == []
+    eng.cancel(a)
+    toks = []
+    while eng.busy:
+        toks += [ev.token for ev in eng.step() if ev.row.request is b]
+        assert all(r is b for r in eng.held_requests())
+    assert toks == solo(adapter, same, b.policy, 5)[0]
+    assert sorted(eng.free_slots) == [0, 1]
+
+
+def test_copy_slot_refuses_an_empty_source():
+    from skipdecode.cache import SlotCache
+
+    with pytest.raises(ValueError, match="copy_slot needs a loaded source slot"):
+        SlotCache(2, 4).copy_slot(0, 1)

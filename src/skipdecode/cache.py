@@ -268,6 +268,26 @@ class SlotCache:
         self.lengths[:, slot] = n
         self.loads[slot] += 1
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make ``dst`` hold what ``src`` holds (every layer's K/V and length), as if the same
+        prefill had been loaded into it: requests with the same prompt (a request's ``n``
+        choices) are prefilled once (:class:`skipdecode.engine.Engine`).
+
+        Raises:
+            ValueError: ``src`` holds nothing (never loaded, or freed), or ``src`` == ``dst``.
+        """
+        n = int(self.lengths[:, src].max())
+        if n == 0 or src == dst:
+            raise ValueError(f"copy_slot needs a loaded source slot other than the destination, got {src} -> {dst}")
+        for layer_idx in range(self.num_layers):
+            k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+            self._ensure(layer_idx, k_buf, v_buf, n, max(src, dst) + 1)
+            k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+            k_buf[dst, :, :n] = k_buf[src, :, :n]
+            v_buf[dst, :, :n] = v_buf[src, :, :n]
+        self.lengths[:, dst] = self.lengths[:, src]
+        self.loads[dst] += 1
+
     def read(self, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of positions ``0:n`` of ``slot`` in every layer: ``(keys, values)``, each a list
         of L tensors (H_kv, n, D). The prompt positions of a slot hold the full-depth prefill in

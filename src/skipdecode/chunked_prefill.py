@@ -26,7 +26,7 @@ joining at that step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,8 @@ class PartialPrefill:
         seconds: wall-clock time of its chunks so far (s).
         chunks: forwards run so far.
         started: ``time.perf_counter()`` when it left the waiting queue (s).
+        twins: ``(request, slot)`` of requests with the same prompt that joined with it (a
+            request's ``n`` choices): their slots get a copy of its K/V when it is done.
     """
 
     request: Any
@@ -88,6 +90,7 @@ class PartialPrefill:
     seconds: float = 0.0
     chunks: int = 0
     started: float = 0.0
+    twins: list = field(default_factory=list)
 
     @property
     def remaining(self) -> int:

@@ -35,10 +35,11 @@ from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import FullPolicy, SkipPolicy, check_policy, plan_layers
+from .prefill_buckets import PREFILL_CALL_TOKENS, length_buckets
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
 
-__all__ = ["Request", "Row", "TokenEvent", "Engine", "length_buckets", "mean_batch_rows"]
+__all__ = ["Request", "Row", "TokenEvent", "Engine", "PREFILL_CALL_TOKENS", "length_buckets", "mean_batch_rows"]
 
 
 @dataclass(eq=False)
@@ -86,7 +87,8 @@ class Row:
         decode_seconds: wall-clock time of the engine steps it took part in, s.
         joined_at: engine step count when it joined (for tests and statistics).
         cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead
-            of its prefill (tokens; :mod:`skipdecode.prefix_cache`).
+            of its prefill (tokens; :mod:`skipdecode.prefix_cache`); all of them when a request
+            with the same prompt joined at the same step and was prefilled for both.
         shared_rows: summed over its decode steps, the rows that step ran (itself included), so
             ``shared_rows / len(layers_run)`` is the mean batch it decoded in (rows).
     """
@@ -257,7 +259,8 @@ class Engine:
 
     def held_requests(self) -> list[Request]:
         """Every request the engine holds: running, being prefilled in chunks, then waiting."""
-        return [r.request for r in self.running] + [p.request for p in self.prefilling] + list(self.waiting)
+        partial = [r for p in self.prefilling for r in [p.request] + [t for t, _ in p.twins]]
+        return [r.request for r in self.running] + partial + list(self.waiting)
 
     # -- step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -304,9 +307,16 @@ class Engine:
         for row in [r for r in self.running if id(r.request) in self._cancelled]:
             row.finished, row.reason = True, "cancelled"
             self._release(row)
-        for part in [p for p in self.prefilling if id(p.request) in self._cancelled]:
-            self.prefilling.remove(part)
-            heapq.heappush(self.free_slots, part.slot)  # its slot was never loaded
+        for part in list(self.prefilling):  # slots of a chunked prefill were never loaded
+            for r, slot in [t for t in part.twins if id(t[0]) in self._cancelled]:
+                part.twins.remove((r, slot))
+                heapq.heappush(self.free_slots, slot)
+            if id(part.request) in self._cancelled:
+                heapq.heappush(self.free_slots, part.slot)
+                if part.twins:  # a twin carries the prefill on
+                    part.request, part.slot = part.twins.pop(0)
+                else:
+                    self.prefilling.remove(part)
         self._cancelled.clear()
 
     def _release(self, row: Row) -> None:
@@ -319,37 +329,50 @@ class Engine:
         after the stored prefix it starts with (none: the whole prompt), in left-padded batches of
         similar remaining lengths (:func:`length_buckets`) whatever prefix each row starts from
         (:func:`~skipdecode.prefix_cache.prefix_skip_cache`); then store newly shared prefixes.
+        Joiners with the same prompt (a request's ``n`` choices) are prefilled once: the others'
+        slots get a copy (:meth:`~skipdecode.cache.SlotCache.copy_slot`) and the same logits.
         With ``prefill_chunk_tokens`` C, a joiner with more than C tokens left to compute starts
-        a chunked prefill instead (:attr:`prefilling`) and emits nothing yet."""
+        a chunked prefill instead (:attr:`prefilling`, its twins with it) and emits nothing yet."""
         start = time.perf_counter()
         slots = [heapq.heappop(self.free_slots) for _ in joiners]
         pc = self.prefix_cache
         if pc is not None:
             self._reuse_recent_prefixes(joiners)
-        matches = [pc.lookup(r.prompt_ids) if pc is not None else (None, 0) for r in joiners]
+        first: dict[tuple[int, ...], int] = {}
+        leader = [first.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(joiners)]
+        twins = {i: [j for j in range(len(joiners)) if leader[j] == i and j != i] for i in first.values()}
+        matches = {i: pc.lookup(joiners[i].prompt_ids) if pc is not None else (None, 0) for i in twins}
         C = self.prefill_chunk_tokens
-        whole = [i for i, (r, (_, p)) in enumerate(zip(joiners, matches)) if not C or len(r.prompt_ids) - p <= C]
-        for i in sorted(set(range(len(joiners))) - set(whole)):
+        whole = [i for i in twins if not C or len(joiners[i].prompt_ids) - matches[i][1] <= C]
+        for i in sorted(set(twins) - set(whole)):
             entry = matches[i][0]
             if entry is not None:
                 entry.hits += 1
-            self.prefilling.append(start_partial(self.adapter, joiners[i], slots[i], entry, start))
+            part = start_partial(self.adapter, joiners[i], slots[i], entry, start)
+            part.twins = [(joiners[j], slots[j]) for j in twins[i]]
+            self.prefilling.append(part)
         if not whole:
             self._count_prefill(start)
             return []
-        joiners, slots, matches = [joiners[i] for i in whole], [slots[i] for i in whole], [matches[i] for i in whole]
-        batches = length_buckets([len(r.prompt_ids) - p for r, (_, p) in zip(joiners, matches)])
-        logits: list[torch.Tensor | None] = [None] * len(joiners)
+        batches = length_buckets([len(joiners[i].prompt_ids) - matches[i][1] for i in whole])
+        logits: dict[int, torch.Tensor] = {}
         for idx in batches:
-            out = self._prefill_group([joiners[i] for i in idx], [slots[i] for i in idx],
-                                      [matches[i][0] for i in idx])
-            for k, i in enumerate(idx):
+            group = [whole[k] for k in idx]
+            out = self._prefill_group([joiners[i] for i in group], [slots[i] for i in group],
+                                      [matches[i][0] for i in group])
+            for k, i in enumerate(group):
                 logits[i] = out[k]
-        return self._join(joiners, slots, [p for _, p in matches], torch.stack(logits), start)
+                for j in twins[i]:
+                    self.cache.copy_slot(slots[i], slots[j])
+        rows = sorted(whole + [j for i in whole for j in twins[i]])
+        cached = [matches[i][1] if i in twins else len(joiners[i].prompt_ids) for i in rows]
+        return self._join([joiners[i] for i in rows], [slots[i] for i in rows], cached,
+                          torch.stack([logits[leader[i]] for i in rows]), start)
 
     def _advance_prefill(self) -> list[TokenEvent]:
         """Run the next chunk of the oldest chunked prefill; when it was the last, load the
-        prompt's K/V into the request's slot and join it to the running rows (its token 0)."""
+        prompt's K/V into the request's slot (and its twins'), and join them to the running rows
+        (their token 0)."""
         start = time.perf_counter()
         part = self.prefilling[0]
         logits = run_chunk(self.adapter, part, self.prefill_chunk_tokens, self.device)
@@ -359,7 +382,11 @@ class Engine:
         self.prefilling.popleft()
         P = len(part.request.prompt_ids)
         self.cache.load_prefill(part.slot, part.cache, 0, 0, P)
-        return self._join([part.request], [part.slot], [part.cached], logits[None], start, part.started)
+        for _, slot in part.twins:
+            self.cache.copy_slot(part.slot, slot)
+        reqs = [part.request] + [r for r, _ in part.twins]
+        return self._join(reqs, [part.slot] + [s for _, s in part.twins], [part.cached] + [P] * len(part.twins),
+                          logits.expand(len(reqs), -1), start, part.started)
 
     def _count_prefill(self, start: float) -> float:
         """Add the time since ``start`` to the engine's prefill time; return it (s)."""
@@ -552,39 +579,3 @@ class Engine:
                 if ev.finished:
                     done[id(ev.row.request)] = ev.row
         return [done[id(r)] for r in requests]
-
-
-#: the cost of one more prefill forward, in prompt tokens: a forward reads every weight once
-#: (about 36 ms for the embedded model's 538 MB at 15 GB/s), about what 24 tokens of compute cost
-#: at its 0.21 GFLOP a token and about 130 GFLOP/s (2 CPU cores, float32)
-PREFILL_CALL_TOKENS = 32
-
-
-def length_buckets(lengths: Sequence[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
-    """Split prompts of ``lengths`` (tokens each) into left-padded prefill batches that minimise
-    the tokens computed: sum over batches of ``len(batch) * max(batch lengths) + call_tokens``.
-
-    Prompts of similar length share a batch, so short prompts stop paying for the longest one's
-    padding (E2E prompts at 64 clients: 27 % of a single batch's tokens are padding); a split
-    costs one more forward, ``call_tokens``. Exact by dynamic programming over the lengths sorted
-    (a best split of a sorted list is into contiguous runs). Returns lists of indices into
-    ``lengths``, each ascending by length; every index once. Raises ValueError on a negative
-    length or ``call_tokens``.
-    """
-    if call_tokens < 0 or any(n < 0 for n in lengths):
-        raise ValueError(f"lengths and call_tokens must be >= 0, got {list(lengths)}, {call_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    n = len(order)
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j prompts in sorted order
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = lengths[order[j - 1]]
-        for i in range(j):
-            cost = best[i] + (j - i) * longest + call_tokens
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], n
-    while j > 0:
-        buckets.append(order[cut[j]:j])
-        j = cut[j]
-    return buckets[::-1]
