@@ -151,7 +151,7 @@ class Scheduler:
             pc = self.engine.prefix_cache
             return {
                 "running": len(self.engine.running),
-                "prefilling": len(self.engine.prefilling),
+                "prefilling": sum(1 + len(p.twins) for p in self.engine.prefilling),
                 "waiting": len(self._inbox) + len(self.engine.waiting),
                 "steps": self.engine.steps,
                 "decode_steps": self.engine.decode_steps,
