@@ -220,10 +220,11 @@ def test_serve_passes_the_chunk_and_refuses_a_negative_one(saved, monkeypatch): 
 
 def test_a_real_server_streams_while_a_long_prompt_is_prefilled_in_chunks():
     """A server (a real process, 0.05 s per forward, chunks of 16) streaming one answer gets a
-    prompt of about 150 tokens: /health shows it prefilling while the stream's tokens keep coming
+    prompt of about 150 tokens: /health and /metrics show it prefilling while the stream's tokens keep coming
     (at least 5 of them arrive between the long request's submission and its answer), and the
     long prompt's answer equals the same request alone."""
     from test_server_loopback import health, run, start_server, stop_server
+    from test_server_metrics import parse, value
 
     long_prompt = " ".join(f"The Eagle {i} is a coffee shop." for i in range(12))
     sk = SkipModel(make_model("llama"), make_tokenizer())
@@ -231,7 +232,7 @@ def test_a_real_server_streams_while_a_long_prompt_is_prefilled_in_chunks():
     proc, url = start_server("--prefill-chunk-tokens", str(C), "--step-delay", "0.05")
     try:
         assert health(url)["scheduler"]["prefill_chunk_tokens"] == C
-        seen_prefilling = []
+        seen_prefilling, gauges = [], []
 
         async def scenario():
             async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -251,6 +252,7 @@ def test_a_real_server_streams_while_a_long_prompt_is_prefilled_in_chunks():
                     task = asyncio.create_task(c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 5}))
                     while not task.done():
                         seen_prefilling.append((await c.get("/health")).json()["scheduler"]["prefilling"])
+                        gauges.append(value(parse((await c.get("/metrics")).text), "skipdecode_prefilling_rows"))
                         await asyncio.sleep(0.05)
                     return t0, time.monotonic(), await task
 
@@ -262,7 +264,7 @@ def test_a_real_server_streams_while_a_long_prompt_is_prefilled_in_chunks():
         stop_server(proc)
     assert answer.status_code == 200, answer.text
     assert json.loads(answer.text)["choices"][0]["text"] == sk.generate([long_prompt], max_new_tokens=5).texts[0]
-    assert 1 in seen_prefilling
+    assert 1 in seen_prefilling and 1 in gauges  # /health and /metrics both show it
     assert sum(t0 < s < t1 for s in stamps) >= 5  # the stream went on during the chunks
 
 

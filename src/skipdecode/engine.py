@@ -81,9 +81,9 @@ class Row:
         tokens: generated ids so far.
         finished: True once it ended; ``reason`` is then "eos", "stop", "length" or "cancelled".
         layers_run: layers run at each of its decode steps t >= 1.
-        prefill_seconds: wall-clock time from leaving the waiting queue to its first token: the
-            prefill it joined with (for a chunked prefill, from its first chunk to its last, the
-            decode steps between them included), s.
+        prefill_seconds: wall-clock time from leaving the waiting queue (taking a slot) to its
+            first token: the prefill it joined with; for a chunked prefill also the decode steps
+            between its chunks and the chunks of earlier long prompts it waited behind, s.
         decode_seconds: wall-clock time of the engine steps it took part in, s.
         joined_at: engine step count when it joined (for tests and statistics).
         cached_prompt_tokens: leading prompt tokens whose K/V came from the prefix cache instead

@@ -144,7 +144,8 @@ class Scheduler:
         a slot), ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
         far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
         and in decode steps so far, s; the rest of the server's time the engine waited or
-        delivered events), ``cancelled`` requests, the sizes, and ``prefix_cache``: the engine's
+        delivered events), ``cancelled`` rows (a request's prompts and ``n`` choices count one
+        each; the server's ``/metrics`` counts requests), the sizes, and ``prefix_cache``: the engine's
         prefix-cache statistics (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when
         off). The engine's counters count since it started, which a failed step restarts."""
         with self._lock:

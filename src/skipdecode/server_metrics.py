@@ -23,8 +23,10 @@ The metrics (names, units and meanings; docs/serving.md#metrics-get-metrics list
   API key), ``not_found`` (404: a ``model`` other than the served one, or an unknown path),
   ``too_large`` (413), ``queue_full`` (429);
   ``endpoint`` ``other`` for a path that is neither endpoint (created at its first refusal);
-- ``skipdecode_running_rows``, ``skipdecode_waiting_rows`` (gauges; rows): rows decoding and rows
-  waiting for a slot when scraped (a completions request with several prompts has several rows);
+- ``skipdecode_running_rows``, ``skipdecode_prefilling_rows``, ``skipdecode_waiting_rows`` (gauges;
+  rows): rows decoding, rows holding a slot for a chunked prefill (:mod:`skipdecode.chunked_prefill`)
+  and rows waiting for a slot when scraped (a completions request with several prompts or ``n``
+  choices has several rows);
 - ``skipdecode_time_to_first_token_seconds`` (histogram; seconds): from the request's arrival at
   the handler (its body parsed) to its first token on the event loop, for every request that got a
   first token (observed when it ends, whatever its outcome);
@@ -90,23 +92,25 @@ class RequestTimer:
 
 
 class _SchedulerGauges:
-    """Custom collector: the scheduler's running and waiting rows, read when scraped."""
+    """Custom collector: the scheduler's running, prefilling and waiting rows, read when scraped."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
-    def _families(self, running: float, waiting: float) -> list[GaugeMetricFamily]:
+    def _families(self, running: float, prefilling: float, waiting: float) -> list[GaugeMetricFamily]:
         return [
             GaugeMetricFamily("skipdecode_running_rows", "Rows decoding in the in-flight batch.", value=running),
+            GaugeMetricFamily("skipdecode_prefilling_rows", "Rows holding a slot for a chunked prefill.",
+                              value=prefilling),
             GaugeMetricFamily("skipdecode_waiting_rows", "Rows waiting for a batch slot.", value=waiting),
         ]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
-        return self._families(0, 0)
+        return self._families(0, 0, 0)
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         stats = self.scheduler.stats()
-        return self._families(stats["running"], stats["waiting"])
+        return self._families(stats["running"], stats["prefilling"], stats["waiting"])
 
 
 class ServerMetrics:
