@@ -2,7 +2,7 @@
 
     python tests/serve_tiny.py PORT [--serial] [--max-batch-size N] [--max-waiting N] [--cohort-size K]
                                 [--step-delay S] [--no-prefix-cache] [--chain] [--fail-seed S]
-                                [--prefill-chunk-tokens C]
+                                [--prefill-chunk-tokens C] [--max-cache-bytes B] [--context N]
 
 ``--chain`` serves conftest's chain model instead (after ``CHAIN_PROMPT`` it writes ``CHAIN_TEXT``,
 then EOS, then ``CHAIN_TEXT`` again), for tests that need a known answer length.
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
-from conftest import make_chain_model, make_model, make_tokenizer  # noqa: E402
+from conftest import make_chain_model, make_config, make_model, make_tokenizer, model_from_config  # noqa: E402
 import importlib  # noqa: E402
 
 from skipdecode.model import SkipModel  # noqa: E402
@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--fail-seed", type=int, default=None)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    parser.add_argument("--max-cache-bytes", type=int, default=None)
+    parser.add_argument("--context", type=int, default=None, help="the llama's context (positions; default 256)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.step_delay:
@@ -97,8 +99,14 @@ def main() -> None:
         kwargs["api_key"] = args.api_key
     if args.prefill_chunk_tokens is not None:
         kwargs["prefill_chunk_tokens"] = args.prefill_chunk_tokens
+    if args.max_cache_bytes is not None:
+        kwargs["max_cache_bytes"] = args.max_cache_bytes
     tok = make_tokenizer()
     model = make_chain_model(tok, CHAIN_PROMPT, CHAIN_TEXT) if args.chain else make_model("llama")
+    if args.context is not None:
+        config = make_config("llama")
+        config.max_position_embeddings = args.context
+        model = model_from_config(config)
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", **uvicorn_options())
 

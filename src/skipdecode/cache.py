@@ -218,6 +218,21 @@ class SlotCache:
         have_rows, have_size = (0, 0) if old_k is None else (old_k.shape[0], old_k.shape[2])
         if have_rows >= rows and have_size >= need:
             return
+        R, size = self.dims_after(rows, need, layer_idx)
+        k_buf = like_k.new_zeros((R, like_k.shape[1], size, like_k.shape[-1]))
+        v_buf = like_v.new_zeros((R, like_v.shape[1], size, like_v.shape[-1]))
+        if old_k is not None:
+            k_buf[:have_rows, :, :have_size] = old_k
+            v_buf[:have_rows, :, :have_size] = self.values[layer_idx]
+        self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
+
+    def dims_after(self, rows: int, need: int, layer_idx: int = 0, fresh: bool = False) -> tuple[int, int]:
+        """(R, size): the buffer rows and positions layer ``layer_idx``'s buffers have once they
+        hold ``need`` positions (tokens) of slots ``0 .. rows - 1``, by :meth:`_ensure`'s rule
+        (unchanged when they already do; ``fresh``: as if nothing were allocated yet). The
+        engine's memory bound uses it to plan admissions."""
+        old_k = None if fresh else self.keys[layer_idx]
+        have_rows, have_size = (0, 0) if old_k is None else (old_k.shape[0], old_k.shape[2])
         R = max(have_rows, 1)
         while R < rows:
             R *= 2
@@ -227,12 +242,20 @@ class SlotCache:
             size = max(self.capacity, pow2)
         else:
             size = have_size if have_size >= need else max(pow2, 2 * have_size)
-        k_buf = like_k.new_zeros((R, like_k.shape[1], size, like_k.shape[-1]))
-        v_buf = like_v.new_zeros((R, like_v.shape[1], size, like_v.shape[-1]))
-        if old_k is not None:
-            k_buf[:have_rows, :, :have_size] = old_k
-            v_buf[:have_rows, :, :have_size] = self.values[layer_idx]
-        self.keys[layer_idx], self.values[layer_idx] = k_buf, v_buf
+        return R, size
+
+    def reset(self) -> None:
+        """Drop every buffer (the next load allocates small ones again) and mark every slot empty;
+        what slots held can no longer be read (``loads`` of every slot moves on)."""
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.lengths.zero_()
+        self.loads = [n + 1 for n in self.loads]
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes held by the key and value buffers of every layer."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
     def load_prefill(self, slot: int, source: SkipCache, row: int, start: int, end: int, prefix: int = 0,
                      prefix_start: int = 0) -> None:

@@ -50,6 +50,16 @@ def _check_can_listen(host: str, port: int) -> None:
                  "is another server using it? Choose another --port")
 
 
+def kv_cache_bytes(gib: Optional[float]) -> Optional[int]:
+    """``--kv-cache-gb`` as the engine's ``max_cache_bytes``: None (the default) ->
+    :func:`~skipdecode.kv_budget.serve_default_bytes`, 0 -> None (no bound), else GiB -> bytes."""
+    from .kv_budget import serve_default_bytes
+
+    if gib is None:
+        return serve_default_bytes()
+    return max(1, int(gib * 2**30)) if gib > 0 else None
+
+
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind."),
@@ -70,6 +80,7 @@ def serve(
     align_steps: Optional[int] = typer.Option(None, "--align-steps", help="Hold waiting requests, at most this many engine steps, while every running row is more than this many decode steps old, so that rows join in waves and share their full-depth steps (default 8 in flight, 0 with --serial; 0: off; docs/serving.md)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help=PREFIX_CACHE_HELP + " /health reports its hits."),
     prefill_chunk_tokens: int = typer.Option(256, "--prefill-chunk-tokens", help="Chunked prefill: a prompt with more tokens than this to compute is prefilled this many tokens per engine step, between the running rows' decode steps, so that running streams keep going meanwhile (outputs unchanged; 0: off, a long prompt holds every running row for its whole prefill; docs/serving.md)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, "--kv-cache-gb", help="Bound on the key/value cache (GiB): a request that would take it past this waits for rows to finish, one that cannot fit alone gets a 400 (default: 40 percent of the machine's memory; 0: no bound; docs/serving.md)."),
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed event: a row's tokens are sent in groups of this many (its first and last token at once), as vLLM's and SGLang's --stream-interval; larger values spend less CPU per token on HTTP and client (docs/serving.md). 1: one event per token."),
     no_adapter: bool = typer.Option(False, "--no-adapter", help=NO_ADAPTER_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
@@ -93,6 +104,8 @@ def serve(
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if prefill_chunk_tokens < 0:
         fail(f"--prefill-chunk-tokens must be >= 0 (tokens per prefill chunk; 0: off), got {prefill_chunk_tokens}")
+    if kv_cache_gb is not None and not kv_cache_gb >= 0:
+        fail(f"--kv-cache-gb must be >= 0 (GiB; 0: no bound), got {kv_cache_gb}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
     if not name.strip():
@@ -136,7 +149,8 @@ def serve(
     err.print(f"serving {sk.source} as {name!r} on http://{host}:{port} (policy: {policy}){key_note}", markup=False)
     app_ = create_app(sk, name, max_batch_size=max_batch_size, max_waiting=max_waiting, serial=serial,
                       cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
-                      prefill_chunk_tokens=prefill_chunk_tokens, stream_interval=stream_interval, api_key=api_key,
+                      prefill_chunk_tokens=prefill_chunk_tokens, max_cache_bytes=kv_cache_bytes(kv_cache_gb),
+                      stream_interval=stream_interval, api_key=api_key,
                       policy_defaults={k: v for k, v in (("warmup_layers", warmup_layers), ("horizon", horizon),
                                                          ("full_depth_steps", full_depth_steps)) if v is not None})
     uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())

@@ -31,6 +31,7 @@ from .adapters import Adapter
 from .admission import check_align_steps, may_join
 from .cache import SkipCache, SlotCache
 from .chunked_prefill import PartialPrefill, check_prefill_chunk_tokens, run_chunk, start_partial
+from .kv_budget import admits, check_fits_alone, check_max_cache_bytes, position_bytes
 from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
@@ -174,6 +175,9 @@ class Engine:
             the running rows' decode step, so they keep decoding meanwhile; it holds its slot and
             joins when its last chunk is done (:mod:`skipdecode.chunked_prefill`; outputs are
             unchanged). 0 (default): every prompt is prefilled whole in the step it joins at.
+        max_cache_bytes: a bound on the slot cache's key/value buffers (bytes): a waiting
+            request joins only when the buffers, planned for every row at its longest history,
+            fit (:mod:`skipdecode.kv_budget`); None (default): no bound.
 
     Attributes:
         prefix_cache: the :class:`~skipdecode.prefix_cache.PrefixCache`, or None when off; its
@@ -186,12 +190,14 @@ class Engine:
     Raises:
         ValueError: ``max_batch_size`` < 1, ``cohort_size`` outside [1, ``max_batch_size``],
             ``align_steps`` < 0, a ``prefix_cache`` that is not True, False or a token budget
-            (0 or >= 8), or a ``prefill_chunk_tokens`` that is not an integer >= 0.
+            (0 or >= 8), a ``prefill_chunk_tokens`` that is not an integer >= 0, or a
+            ``max_cache_bytes`` that is not None or an integer >= 1.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, *, keep_logits: bool = False,
                  cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0,
-                 isolate_failures: bool = False, prefill_chunk_tokens: int = 0) -> None:
+                 isolate_failures: bool = False, prefill_chunk_tokens: int = 0,
+                 max_cache_bytes: int | None = None) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or not 1 <= cohort_size <= max_batch_size:
@@ -202,6 +208,8 @@ class Engine:
         self.align_steps = check_align_steps(align_steps)
         self.prefill_chunk_tokens = check_prefill_chunk_tokens(prefill_chunk_tokens)
         self.prefilling: deque[PartialPrefill] = deque()
+        self.max_cache_bytes = check_max_cache_bytes(max_cache_bytes)
+        self._position_bytes = position_bytes(adapter)
         self._queued_at: dict[int, int] = {}  # id(request) -> engine step it was submitted at
         self.adapter = adapter
         self.max_batch_size = max_batch_size
@@ -235,6 +243,7 @@ class Engine:
         if P == 0:
             raise ValueError("prompts: a prompt must hold at least one token")
         self.adapter.check_context(P, n)  # P + n - 1 positions: the last token is never fed back
+        check_fits_alone(self.cache, self._position_bytes, self.max_cache_bytes, P, n)
         check_policy(request.policy, self.adapter.num_layers)
         check_logprobs(request.logprobs)
 
@@ -280,7 +289,7 @@ class Engine:
         events = self._decode() if self.running else []
         joiners = []
         if self._cohort_may_join():
-            while self.waiting and len(joiners) < len(self.free_slots):
+            while self.waiting and len(joiners) < len(self.free_slots) and self._fits(joiners + [self.waiting[0]]):
                 joiners.append(self.waiting.popleft())
                 self._queued_at.pop(id(joiners[-1]), None)
         if joiners:
@@ -297,6 +306,14 @@ class Engine:
         waited = self.steps - self._queued_at.get(id(self.waiting[0]), self.steps) if self.waiting else 0
         return may_join(len(self.free_slots), len(self.waiting), [r.step for r in self.running],
                         self.cohort_size, self.align_steps, waited)
+
+    def _fits(self, joiners: list[Request]) -> bool:
+        """Whether ``joiners`` may join under ``max_cache_bytes`` (:func:`~skipdecode.kv_budget.admits`)."""
+        if self.max_cache_bytes is None:
+            return True
+        held = ([(r.request, r.slot) for r in self.running] + [(p.request, p.slot) for p in self.prefilling]
+                + [t for p in self.prefilling for t in p.twins])
+        return admits(self.cache, self._position_bytes, self.max_cache_bytes, held, self.free_slots, joiners)
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:

@@ -73,21 +73,23 @@ class Scheduler:
         prefill_chunk_tokens: the engine's chunked prefill (:class:`Engine`,
             :mod:`skipdecode.chunked_prefill`): prompts with more tokens to compute are prefilled
             this many tokens per step while the running rows go on decoding (0: off).
+        max_cache_bytes: the engine's bound on its key/value buffers (:class:`Engine`,
+            :mod:`skipdecode.kv_budget`): requests that would exceed it wait (None: no bound).
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, or a bad
-            ``prefix_cache``.
+            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, a
+            ``max_cache_bytes`` that is not None or >= 1, or a bad ``prefix_cache``.
     """
 
     def __init__(self, adapter: Adapter, max_batch_size: int = 32, max_waiting: int = 256,
                  cohort_size: int = 1, prefix_cache: bool | int = True, align_steps: int = 0,
-                 prefill_chunk_tokens: int = 0) -> None:
+                 prefill_chunk_tokens: int = 0, max_cache_bytes: int | None = None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.adapter = adapter
         self._engine_options = dict(cohort_size=cohort_size, prefix_cache=prefix_cache, align_steps=align_steps,
-                                    prefill_chunk_tokens=prefill_chunk_tokens)
+                                    prefill_chunk_tokens=prefill_chunk_tokens, max_cache_bytes=max_cache_bytes)
         self.engine = Engine(adapter, max_batch_size, isolate_failures=True, **self._engine_options)
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -144,7 +146,8 @@ class Scheduler:
         a slot), ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
         far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
         and in decode steps so far, s; the rest of the server's time the engine waited or
-        delivered events), ``cancelled`` rows (a request's prompts and ``n`` choices count one
+        delivered events), ``max_cache_bytes`` (the bound, None: none) and ``cache_bytes`` (the
+        slot cache's buffers now), ``cancelled`` rows (a request's prompts and ``n`` choices count one
         each; the server's ``/metrics`` counts requests), the sizes, and ``prefix_cache``: the engine's
         prefix-cache statistics (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when
         off). The engine's counters count since it started, which a failed step restarts."""
@@ -165,6 +168,8 @@ class Scheduler:
                 "cohort_size": self.engine.cohort_size,
                 "align_steps": self.engine.align_steps,
                 "prefill_chunk_tokens": self.engine.prefill_chunk_tokens,
+                "max_cache_bytes": self.engine.max_cache_bytes,
+                "cache_bytes": self.engine.cache.allocated_bytes,
                 "prefix_cache": None if pc is None else pc.stats(),
             }
 

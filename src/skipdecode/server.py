@@ -462,6 +462,7 @@ def create_app(
     prefix_cache: bool | int = True,
     align_steps: int = SERVE_ALIGN_STEPS,
     prefill_chunk_tokens: int = SERVE_PREFILL_CHUNK_TOKENS,
+    max_cache_bytes: Optional[int] = None,
     stream_interval: int = 1,
     api_key: Optional[str] = None,
     policy_defaults: Optional[Mapping[str, int]] = None,
@@ -482,7 +483,10 @@ def create_app(
     ``prefill_chunk_tokens`` C (tokens; default
     :data:`~skipdecode.chunked_prefill.SERVE_PREFILL_CHUNK_TOKENS`, 0 when ``serial``; 0: off):
     a prompt with more than C tokens to compute is prefilled C tokens per engine step while the
-    running rows go on decoding (:mod:`skipdecode.chunked_prefill`). The app's
+    running rows go on decoding (:mod:`skipdecode.chunked_prefill`). ``max_cache_bytes`` bounds
+    the engine's key/value buffers (bytes; None, the default here: no bound; ``skipdecode serve``
+    defaults to a share of the machine's memory): requests that would exceed it wait, and one
+    that could not fit alone answers 400 naming ``max_tokens`` (:mod:`skipdecode.kv_budget`). The app's
     ``state.scheduler`` is the scheduler (``/health`` reports it, prefix-cache statistics included);
     ``state.metrics`` the app's :class:`~skipdecode.server_metrics.ServerMetrics`, its own
     Prometheus registry, which ``GET /metrics`` serves.
@@ -508,8 +512,8 @@ def create_app(
 
     Raises:
         ValueError: ``max_batch_size`` < 1, ``max_waiting`` < 0, ``cohort_size`` outside
-            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, or a bad
-            ``prefix_cache`` (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
+            [1, ``max_batch_size``], ``align_steps`` < 0, ``prefill_chunk_tokens`` < 0, a bad
+            ``max_cache_bytes`` or ``prefix_cache`` (:class:`~skipdecode.scheduler.Scheduler`); ``stream_interval`` not an integer >= 1;
             ``api_key`` as :func:`check_api_key` refuses it; a ``policy_defaults`` key outside
             :data:`~skipdecode.protocol.SHAPE_FIELDS`; ``model_name`` empty or blank (no
             request could name it).
@@ -529,7 +533,8 @@ def create_app(
     scheduler = Scheduler(model.adapter, 1 if serial else max_batch_size, max_waiting,
                           cohort_size=1 if serial else cohort_size, prefix_cache=prefix_cache,
                           align_steps=0 if serial else align_steps,
-                          prefill_chunk_tokens=0 if serial else prefill_chunk_tokens)
+                          prefill_chunk_tokens=0 if serial else prefill_chunk_tokens,
+                          max_cache_bytes=max_cache_bytes)
     executor = Executor(model, scheduler, stream_interval)
     app.state.scheduler = scheduler
     app.state.metrics = ServerMetrics(scheduler, model.num_layers)
