@@ -96,8 +96,9 @@ def test_serve_passes_the_bound_and_refuses_a_negative_one(saved, monkeypatch): 
     import skipdecode.server as server_module
     from test_server_loopback import free_port
 
-    bad, _ = cli(["serve", "--kv-cache-gb", "-1"])
-    assert bad.exit_code == 2 and "--kv-cache-gb must be >= 0" in bad.output
+    for value in ("-1", "inf", "nan"):
+        bad, _ = cli(["serve", "--kv-cache-gb", value])
+        assert bad.exit_code == 2 and "--kv-cache-gb must be a number of GiB >= 0" in bad.output, value
     seen = []
 
     def spy(*a, **kw):
@@ -123,3 +124,37 @@ def test_a_real_server_answers_400_for_a_request_beyond_the_bound_and_serves_the
     assert "max_cache_bytes" in big.json()["error"]["message"]
     assert ok.status_code == 200
     assert stats["max_cache_bytes"] == ROW and 0 < stats["cache_bytes"] <= ROW
+
+
+def test_short_requests_arriving_one_by_one_after_a_long_one_join_together():
+    """After a long row left 512-position buffers, the first short request drops them (nothing
+    else holds a slot), so the next one joins beside it at once instead of waiting."""
+    adapter = long_context_adapter()
+    eng = Engine(adapter, 4, max_cache_bytes=2 * ROW, prefix_cache=False)
+    run_bounded(eng, [Request(prompt(40, 95), 261)])
+    assert eng.cache.keys[0].shape[2] == 512
+    a, b = Request(prompt(5, 96), 6), Request(prompt(6, 97), 6)
+    eng.submit(a)
+    eng.step()
+    eng.submit(b)
+    eng.step()
+    assert {r.request for r in eng.running} == {a, b}  # b joined at the step after its submission
+    assert eng.cache.keys[0].shape[2] == 256 and eng.cache.allocated_bytes <= 2 * ROW
+
+
+def test_the_plan_counts_each_layers_own_buffers():
+    """Two rows whose decode steps skip layers 0 and 1: the longer one grows only the layers they
+    run to 512 positions while layers 0 and 1 keep their 256 from the prefills. After it ends, the
+    plan for the row still running (256 positions) counts each layer's own buffers, so it is never
+    below what they hold (a plan from layer 0 alone would count 6 x 256)."""
+    adapter = long_context_adapter()
+    eng = Engine(adapter, 4, max_cache_bytes=10**9, prefix_cache=False)
+    longer, shorter = Request(prompt(240, 98), 61, POLICIES[2]), Request(prompt(5, 99), 200, POLICIES[2])
+    eng.submit(longer)
+    eng.submit(shorter)
+    while any(r.request is longer for r in eng.running) or eng.waiting:
+        eng.step()
+    sizes = [k.shape[2] for k in eng.cache.keys]
+    assert sizes[:2] == [256, 256] and sizes[-1] == 512
+    assert [r.request for r in eng.running] == [shorter]
+    assert eng.planned_cache_bytes >= eng.cache.allocated_bytes > 6 * 2 * 256 * 128

@@ -244,6 +244,17 @@ class SlotCache:
             size = have_size if have_size >= need else max(pow2, 2 * have_size)
         return R, size
 
+    def planned_bytes(self, rows: int, need: int, layer_position_bytes: int, fresh: bool = False) -> int:
+        """Bytes of every layer's key and value buffers once each holds ``need`` positions of
+        slots ``0 .. rows - 1`` (:meth:`dims_after` per layer: layers that decode steps skip keep
+        smaller buffers), at ``layer_position_bytes`` a position and row of one layer (keys and
+        values); ``fresh``: as if nothing were allocated."""
+        total = 0
+        for layer_idx in range(self.num_layers):
+            R, size = self.dims_after(rows, need, layer_idx, fresh)
+            total += R * size * layer_position_bytes
+        return total
+
     def reset(self) -> None:
         """Drop every buffer (the next load allocates small ones again) and mark every slot empty;
         what slots held can no longer be read (``loads`` of every slot moves on)."""

@@ -104,8 +104,8 @@ def serve(
         fail(f"--align-steps must be >= 0, got {align_steps}")
     if prefill_chunk_tokens < 0:
         fail(f"--prefill-chunk-tokens must be >= 0 (tokens per prefill chunk; 0: off), got {prefill_chunk_tokens}")
-    if kv_cache_gb is not None and not kv_cache_gb >= 0:
-        fail(f"--kv-cache-gb must be >= 0 (GiB; 0: no bound), got {kv_cache_gb}")
+    if kv_cache_gb is not None and not 0 <= kv_cache_gb < 2**33:
+        fail(f"--kv-cache-gb must be a number of GiB >= 0 (0: no bound), got {kv_cache_gb}")
     if stream_interval < 1:
         fail(f"--stream-interval must be >= 1 (tokens per streamed event), got {stream_interval}")
     if not name.strip():

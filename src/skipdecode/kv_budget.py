@@ -10,11 +10,13 @@ engines bound this memory and queue what does not fit (vLLM's KV-cache block poo
 
 What. With a bound B (bytes), a waiting request joins only if the buffers, planned for every
 running row and every joiner at its longest history (prompt + ``max_new_tokens`` - 1 positions)
-by the cache's own growth rule (:meth:`~skipdecode.cache.SlotCache.dims_after`), take at most B;
+by the cache's own growth rule, layer by layer (:meth:`~skipdecode.cache.SlotCache.dims_after`;
+layers that decode steps skip keep smaller buffers), take at most B;
 otherwise it waits (first come, first served) until rows finish. A request that cannot fit even
 alone is refused when submitted (a ValueError naming ``max_new_tokens``: the server's 400). When
-nothing runs and the buffers left by earlier requests are too large for the next one, they are
-dropped and allocated afresh. Not counted: a prefill's temporary cache (one forward's prompts),
+nothing runs and the buffers left by earlier requests are larger than the next ones need, they
+are dropped and allocated afresh (so a long request does not make later short ones join one at
+a time). Not counted: a prefill's temporary cache (one forward's prompts),
 a chunked prefill's own cache (:mod:`skipdecode.chunked_prefill`) and the prefix cache's entries
 (:mod:`skipdecode.prefix_cache`, bounded by its own token budget).
 """
@@ -29,8 +31,8 @@ import torch
 from .adapters import Adapter
 from .cache import SlotCache
 
-__all__ = ["admits", "check_fits_alone", "check_max_cache_bytes", "position_bytes", "SERVE_KV_CACHE_FRACTION",
-           "serve_default_bytes"]
+__all__ = ["admits", "check_fits_alone", "check_max_cache_bytes", "planned_bytes", "position_bytes",
+           "SERVE_KV_CACHE_FRACTION", "serve_default_bytes"]
 
 #: ``skipdecode serve``'s default bound: this share of the machine's physical memory
 SERVE_KV_CACHE_FRACTION = 0.4
@@ -71,35 +73,47 @@ def check_fits_alone(cache: SlotCache, per_position: int, bound: int | None, pro
                      max_new_tokens: int) -> None:
     """Refuse a request that could not run even alone under ``bound`` (bytes; None: no bound):
     one row of ``prompt_tokens + max_new_tokens - 1`` positions in freshly allocated buffers
-    (``per_position`` bytes a position, :func:`position_bytes`).
+    (``per_position`` bytes a position over every layer, :func:`position_bytes`).
 
     Raises:
         ValueError: it does not fit; the message names ``max_new_tokens`` and the bound.
     """
     if bound is None:
         return
-    size = cache.dims_after(1, prompt_tokens + max_new_tokens - 1, fresh=True)[1]
-    if size * per_position > bound:
+    need = prompt_tokens + max_new_tokens - 1
+    planned = cache.planned_bytes(1, need, per_position // cache.num_layers, fresh=True)
+    if planned > bound:
+        size = cache.dims_after(1, need, fresh=True)[1]
         raise ValueError(
-            f"prompt length {prompt_tokens} + max_new_tokens {max_new_tokens} need {size * per_position / 2**20:.0f} MiB "
+            f"prompt length {prompt_tokens} + max_new_tokens {max_new_tokens} need {planned / 2**20:.0f} MiB "
             f"of key/value cache ({size} positions), more than the engine's max_cache_bytes of "
             f"{bound / 2**20:.0f} MiB; lower max_new_tokens or shorten the prompt")
 
 
+def planned_bytes(cache: SlotCache, per_position: int, held: Sequence[tuple[Any, int]],
+                  free_slots: Sequence[int] = (), joiners: Sequence[Any] = (), fresh: bool = False) -> int:
+    """Bytes ``cache``'s buffers would take (:meth:`~skipdecode.cache.SlotCache.planned_bytes`)
+    for the ``held`` ``(request, slot)`` pairs (running rows and chunked prefills) and
+    ``joiners`` (requests taking the lowest ``free_slots``), each at its longest history
+    (prompt + ``max_new_tokens`` - 1 positions), at ``per_position`` bytes a position over every
+    layer; 0 when there are none. ``fresh``: as if nothing were allocated."""
+    taken = sorted(free_slots)[: len(joiners)]
+    slots = [slot for _, slot in held] + taken
+    if not slots:
+        return 0
+    need = max(len(r.prompt_ids) + r.max_new_tokens - 1 for r in [r for r, _ in held] + list(joiners))
+    return cache.planned_bytes(max(slots) + 1, need, per_position // cache.num_layers, fresh)
+
+
 def admits(cache: SlotCache, per_position: int, bound: int, held: Sequence[tuple[Any, int]],
            free_slots: Sequence[int], joiners: Sequence[Any]) -> bool:
-    """Whether ``joiners`` (requests) may join the ``held`` ``(request, slot)`` pairs (running
-    rows and chunked prefills) under ``bound`` (bytes): the buffers ``cache`` would have
-    (:meth:`~skipdecode.cache.SlotCache.dims_after`) for slots up to the highest one held or
-    taken (joiners take the lowest ``free_slots``) and the longest history any of them may reach
-    (prompt + ``max_new_tokens`` - 1 positions), at ``per_position`` bytes a position and row,
-    take at most ``bound``. With nothing held, buffers left too large for the joiners by earlier
-    requests are dropped first (:meth:`~skipdecode.cache.SlotCache.reset`)."""
-    taken = sorted(free_slots)[: len(joiners)]
-    rows = max([slot for _, slot in held] + taken) + 1
-    need = max(len(r.prompt_ids) + r.max_new_tokens - 1 for r in [r for r, _ in held] + list(joiners))
-    R, size = cache.dims_after(rows, need)
-    if R * size * per_position > bound and not held:
+    """Whether ``joiners`` may join the ``held`` rows under ``bound`` (bytes): the buffers planned
+    for all of them (:func:`planned_bytes`) take at most ``bound``. With nothing held, buffers
+    that earlier requests left larger than the joiners need are dropped first
+    (:meth:`~skipdecode.cache.SlotCache.reset`), so that a long request does not make the
+    requests after it join one at a time."""
+    plan = planned_bytes(cache, per_position, held, free_slots, joiners)
+    if not held and plan > planned_bytes(cache, per_position, held, free_slots, joiners, fresh=True):
         cache.reset()
-        R, size = cache.dims_after(rows, need)
-    return R * size * per_position <= bound
+        plan = planned_bytes(cache, per_position, held, free_slots, joiners)
+    return plan <= bound

@@ -146,8 +146,9 @@ class Scheduler:
         a slot), ``waiting`` (rows), ``steps``, ``decode_steps`` and ``generated_tokens`` so
         far, ``prefill_seconds`` and ``decode_seconds`` (the engine's wall-clock time in prefills
         and in decode steps so far, s; the rest of the server's time the engine waited or
-        delivered events), ``max_cache_bytes`` (the bound, None: none) and ``cache_bytes`` (the
-        slot cache's buffers now), ``cancelled`` rows (a request's prompts and ``n`` choices count one
+        delivered events), ``max_cache_bytes`` (the bound, None: none), ``cache_bytes`` (the
+        slot cache's buffers now) and ``planned_cache_bytes`` (what they may reach for the rows
+        held now, which admission counts), ``cancelled`` rows (a request's prompts and ``n`` choices count one
         each; the server's ``/metrics`` counts requests), the sizes, and ``prefix_cache``: the engine's
         prefix-cache statistics (:meth:`~skipdecode.prefix_cache.PrefixCache.stats`; None when
         off). The engine's counters count since it started, which a failed step restarts."""
@@ -170,6 +171,7 @@ class Scheduler:
                 "prefill_chunk_tokens": self.engine.prefill_chunk_tokens,
                 "max_cache_bytes": self.engine.max_cache_bytes,
                 "cache_bytes": self.engine.cache.allocated_bytes,
+                "planned_cache_bytes": self.engine.planned_cache_bytes,
                 "prefix_cache": None if pc is None else pc.stats(),
             }
 
