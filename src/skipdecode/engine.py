@@ -258,12 +258,15 @@ class Engine:
         a chunked prefill instead (:attr:`prefilling`, its twins with it) and emits nothing yet."""
         start = time.perf_counter()
         slots = [heapq.heappop(self.free_slots) for _ in joiners]
-        pc = self.prefix_cache
-        if pc is not None:
-            self._reuse_recent_prefixes(joiners)
         first: dict[tuple[int, ...], int] = {}
         leader = [first.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(joiners)]
-        twins = {i: [j for j in range(len(joiners)) if leader[j] == i and j != i] for i in first.values()}
+        twins: dict[int, list[int]] = {i: [] for i in first.values()}
+        for j, i in enumerate(leader):
+            if i != j:
+                twins[i].append(j)
+        pc = self.prefix_cache
+        if pc is not None:
+            self._reuse_recent_prefixes([joiners[i] for i in twins])  # twins share their leader's
         matches = {i: pc.lookup(joiners[i].prompt_ids) if pc is not None else (None, 0) for i in twins}
         C = self.prefill_chunk_tokens
         whole = [i for i in twins if not C or len(joiners[i].prompt_ids) - matches[i][1] <= C]
