@@ -363,10 +363,32 @@ def _prefill_engine(adapter):
     return engine, out
 
 
+def _burst_engine(adapter):
+    """Three distinct prompts (5, 9 and 7 tokens) joining at once with no prefix stored, then two
+    more; greedy, full depth; returns each row's tokens and first logits."""
+    from skipdecode.engine import Engine, Request
+
+    engine = Engine(adapter, max_batch_size=4, keep_logits=True, prefix_cache=False)
+    out = []
+    for group in ([list(range(40, 45)), list(range(50, 59)), list(range(60, 67))], [[70, 71, 72], [80, 81, 82]]):
+        reqs = [Request(p, max_new_tokens=3) for p in group]
+        first, rows = {}, {}
+        for r in reqs:
+            engine.submit(r)
+        while engine.busy:
+            for ev in engine.step():
+                first.setdefault(id(ev.row.request), ev.logits)
+                rows[id(ev.row.request)] = ev.row
+        out += [(list(rows[id(r)].tokens), first[id(r)]) for r in reqs]
+    return engine, out
+
+
 def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
     """Prefills run compiled (skipdecode.compiled._prefill_layer: the cache write in the graph,
     prompt length, key length, batch and capacity symbolic): after the warm-up, prefills of 1 to 3
-    rows with new lengths, after a stored prefix or not, compile no new graph, and every row's
+    rows with new lengths, after a stored prefix or not (several distinct prompts from an empty
+    cache too: a burst of new requests once compiled for 1.5 s inside a server's timed cell), compile
+    no new graph, and every row's
     first logits (the prefill's) and tokens equal the eager engine's (1e-5, float32)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
@@ -382,8 +404,13 @@ def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
     after_warm = counters["stats"]["unique_graphs"]
     _, want = _prefill_engine(eager.adapter)
     engine, got = _prefill_engine(sk.adapter)
-    assert counters["stats"]["unique_graphs"] == after_warm
     assert engine.prefix_cache.stats()["cached_prompt_tokens"] > 0  # some prefills ran after a stored prefix
+    # several distinct prompts with nothing stored, joining at one step (a server's burst of new
+    # requests; the warm-up's equal prompts are prefilled once, as twins, so it must use distinct ones)
+    _, want_burst = _burst_engine(eager.adapter)
+    _, got_burst = _burst_engine(sk.adapter)
+    assert counters["stats"]["unique_graphs"] == after_warm
+    got, want = got + got_burst, want + want_burst
     assert report.enabled and report.prefill and report.prefill_error == ""
     for (toks, logits), (want_toks, want_logits) in zip(got, want):
         assert toks == want_toks

@@ -510,8 +510,8 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
     three rows in consecutive slots mixing full depth and the skipping policy, whose middle one
     ends early so that the others run in slots that are not consecutive (keys gathered from the
     buffer) with full-depth and skipping rows mixed, alone and together. On the way the
-    prefills' variants compile: one row and several, from an empty cache and after a stored
-    prefix."""
+    prefills' variants compile: one row and several (distinct prompts, not twins), from an empty
+    cache and after a stored prefix."""
     from .engine import Engine, Request
 
     policy = _warm_policy(sk)
@@ -532,10 +532,14 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
             engine.submit(Request(prompt, max_new_tokens=2, policy=None))
         while engine.busy:
             engine.step()
+    vocab = sk.adapter.model.get_input_embeddings().num_embeddings
     for prompt, plans in ((list(ids), (None, policy, policy)), (list(ids) * 2, (policy, None, None))):
         engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)  # (two prompt lengths: the
         for i, plan in enumerate(plans):  # prefill of several rows compiles with a symbolic length)
-            engine.submit(Request(prompt, max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
+            # distinct prompts: equal ones joining at one step are prefilled once (twins), which
+            # would leave the prefill of several rows from an empty cache to a server's first burst
+            distinct = [(prompt[0] + i) % vocab] + prompt[1:]
+            engine.submit(Request(distinct, max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
         while engine.busy:
             engine.step()
 
