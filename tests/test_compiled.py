@@ -365,12 +365,14 @@ def _prefill_engine(adapter):
 
 def _burst_engine(adapter):
     """Three distinct prompts (5, 9 and 7 tokens) joining at once with no prefix stored, then two
-    more; greedy, full depth; returns each row's tokens and first logits."""
+    more, then one-token prompts alone and two at once; greedy, full depth; returns each row's
+    tokens and first logits."""
     from skipdecode.engine import Engine, Request
 
     engine = Engine(adapter, max_batch_size=4, keep_logits=True, prefix_cache=False)
     out = []
-    for group in ([list(range(40, 45)), list(range(50, 59)), list(range(60, 67))], [[70, 71, 72], [80, 81, 82]]):
+    for group in ([list(range(40, 45)), list(range(50, 59)), list(range(60, 67))], [[70, 71, 72], [80, 81, 82]],
+                  [[90]], [[91], [92]]):
         reqs = [Request(p, max_new_tokens=3) for p in group]
         first, rows = {}, {}
         for r in reqs:
@@ -387,8 +389,9 @@ def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
     """Prefills run compiled (skipdecode.compiled._prefill_layer: the cache write in the graph,
     prompt length, key length, batch and capacity symbolic): after the warm-up, prefills of 1 to 3
     rows with new lengths, after a stored prefix or not (several distinct prompts from an empty
-    cache too: a burst of new requests once compiled for 1.5 s inside a server's timed cell), compile
-    no new graph, and every row's
+    cache too: a burst of new requests once compiled for 1.5 s inside a server's timed cell; and
+    one-token prompts, alone, two at once and in a static generation), compile no new graph and
+    break none, and every row's
     first logits (the prefill's) and tokens equal the eager engine's (1e-5, float32)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
@@ -409,7 +412,14 @@ def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
     # requests; the warm-up's equal prompts are prefilled once, as twins, so it must use distinct ones)
     _, want_burst = _burst_engine(eager.adapter)
     _, got_burst = _burst_engine(sk.adapter)
+    # a one-token prompt in a static generation (a decode write once found no buffers there and
+    # fell back to an eager write that broke each layer's graph)
+    one = torch.tensor([[7]]), torch.ones(1, 1, dtype=torch.long)
+    want_one = [o.logits for o in generate_step(eager.adapter, *one, max_new_tokens=3)]
+    got_one = [o.logits for o in generate_step(sk.adapter, *one, max_new_tokens=3)]
     assert counters["stats"]["unique_graphs"] == after_warm
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert all((a - b).abs().max().item() <= 1e-5 for a, b in zip(got_one, want_one))
     got, want = got + got_burst, want + want_burst
     assert report.enabled and report.prefill and report.prefill_error == ""
     for (toks, logits), (want_toks, want_logits) in zip(got, want):

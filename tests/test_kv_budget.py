@@ -2,7 +2,8 @@
 serve --kv-cache-gb).
 
 The tiny llama holds 768 bytes a position (6 layers x 2 x 2 heads x 8 x 4 bytes) and its slot
-buffers start at 256 positions, so a row of up to 256 positions plans 196,608 bytes. Under a bound
+buffers start at 256 positions, so a row of up to 255 positions plans 196,608 bytes (buffers always
+hold more positions than asked). Under a bound
 of two such rows at most two rows run, the buffers never pass the bound, and every answer equals
 its solo run; a long row holds the others back until it ends, after which buffers too large are
 dropped; a request that cannot fit alone is refused naming max_new_tokens, in the engine and as a
@@ -79,9 +80,10 @@ def test_a_long_row_holds_the_others_back_and_its_large_buffers_are_dropped_afte
 
 def test_a_request_that_cannot_fit_alone_is_refused_naming_max_new_tokens():
     eng = Engine(long_context_adapter(), 4, max_cache_bytes=ROW)
-    eng.check(Request(prompt(10, 1), 247))  # 256 positions: one row of 196,608 bytes
-    with pytest.raises(ValueError, match="max_new_tokens 248 need 0 MiB of key/value cache \\(512 positions\\)"):
-        eng.check(Request(prompt(10, 1), 248))
+    eng.check(Request(prompt(10, 1), 246))  # 255 positions: one row of 196,608 bytes
+    # 256 positions take the next size: buffers always hold more positions than asked (cache.py)
+    with pytest.raises(ValueError, match="max_new_tokens 247 need 0 MiB of key/value cache \\(512 positions\\)"):
+        eng.check(Request(prompt(10, 1), 247))
 
 
 @pytest.mark.parametrize("value", [0, -5, True, 1.5, "1"])
@@ -158,3 +160,25 @@ def test_the_plan_counts_each_layers_own_buffers():
     assert sizes[:2] == [256, 256] and sizes[-1] == 512
     assert [r.request for r in eng.running] == [shorter]
     assert eng.planned_cache_bytes >= eng.cache.allocated_bytes > 6 * 2 * 256 * 128
+
+
+def test_slot_buffers_always_hold_more_positions_than_asked():
+    """SlotCache's growth rule (_ensure, and dims_after which plans by it): for every need from 1
+    to 600 positions, grown step by step or allocated fresh, the buffers end with more positions
+    than the need (a decode step whose key length equalled the buffers' size compiled a variant of
+    its own, mid-serving), a power of two at least the starting capacity, and dims_after predicts
+    exactly what _ensure allocates."""
+    import torch
+
+    from skipdecode.cache import SlotCache
+
+    like = torch.zeros(1, 2, 1, 8)
+    grown = SlotCache(1, 4, capacity=16)
+    for need in range(1, 601):
+        fresh = SlotCache(1, 4, capacity=16)
+        for cache in (grown, fresh):
+            planned = cache.dims_after(2, need)
+            cache._ensure(0, like, like, need, 2)
+            size = cache.keys[0].shape[2]
+            assert (cache.keys[0].shape[0], size) == planned
+            assert size > need and size >= 16 and size & (size - 1) == 0, (need, size)

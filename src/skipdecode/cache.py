@@ -148,7 +148,9 @@ class SkipCache:
         end = self.lengths[layer_idx] + new_tokens
         if k_buf is None and like is not None:
             k_like, v_like = (t.expand(rows, -1, -1, -1) for t in like)
-            self._grow(layer_idx, k_like, v_like, max(end, self.capacity))
+            # at least 2 positions: a buffer of 1 (a one-token prompt's) would be a compiled
+            # variant of its own (dynamo specialises sizes 0 and 1)
+            self._grow(layer_idx, k_like, v_like, max(end, self.capacity, 2))
         elif k_buf is None or k_buf.shape[0] != rows:
             return None
         elif end > k_buf.shape[-2]:
@@ -211,12 +213,14 @@ class SlotCache:
     def _ensure(self, layer_idx: int, like_k: torch.Tensor, like_v: torch.Tensor, need: int, rows: int = 1) -> None:
         """Allocate or grow layer ``layer_idx``'s buffers (R, H_kv, size, D) to hold ``need``
         positions of slots ``0 .. rows - 1``: R doubles (from 1, at most S) and size grows to the
-        larger of twice itself and the power of two >= ``need`` (at least ``capacity``), so that
-        a long prompt's first decode steps do not copy the buffers again. New positions are zeros:
-        keys a row's mask hides must stay finite."""
+        larger of twice itself and the power of two > ``need`` (at least ``capacity``), so that
+        a long prompt's first decode steps do not copy the buffers again. Always more positions
+        than ``need``: a decode step whose key length equalled the buffers' size was a compiled
+        variant of its own (dynamo guards the relation; a 1 s compile mid-serving). New positions
+        are zeros: keys a row's mask hides must stay finite."""
         old_k = self.keys[layer_idx]
         have_rows, have_size = (0, 0) if old_k is None else (old_k.shape[0], old_k.shape[2])
-        if have_rows >= rows and have_size >= need:
+        if have_rows >= rows and have_size > need:
             return
         R, size = self.dims_after(rows, need, layer_idx)
         k_buf = like_k.new_zeros((R, like_k.shape[1], size, like_k.shape[-1]))
@@ -237,11 +241,11 @@ class SlotCache:
         while R < rows:
             R *= 2
         R = min(R, self.num_slots)
-        pow2 = 1 << max(need - 1, 0).bit_length()
+        pow2 = 1 << need.bit_length()  # the power of two > need
         if old_k is None:
             size = max(self.capacity, pow2)
         else:
-            size = have_size if have_size >= need else max(pow2, 2 * have_size)
+            size = have_size if have_size > need else max(pow2, 2 * have_size)
         return R, size
 
     def planned_bytes(self, rows: int, need: int, layer_position_bytes: int, fresh: bool = False) -> int:

@@ -132,6 +132,10 @@ def serve(
     # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one left
     try:
         sk = on_fresh_thread(load_model, model, device, dtype, quantize=quantize, compile=compile, adapter=not no_adapter)
+        if getattr(sk, "compile_report", None) is not None:  # long prompts' variants too, before serving
+            from .compile_warmup import warm_up_long_prompts
+
+            on_fresh_thread(warm_up_long_prompts, sk, sk.compile_report, 0 if serial else prefill_chunk_tokens)
     except KeyboardInterrupt:
         # the loading thread may be inside torch's C++ code: leave at once, without the interpreter's
         # shutdown (which, racing that thread, could end in a C++ abort instead of exit code 130)

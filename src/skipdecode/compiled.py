@@ -44,7 +44,6 @@ falls back to eager and says why in :attr:`CompileReport.error`.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -312,12 +311,17 @@ def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callab
     def run(layer, hidden, attention_mask, cache, cache_kw, extra):
         if not report.enabled:  # an earlier compile failed (layer or head): stay eager
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
-        if hidden.shape[1] > 1:
+        layer_idx = index_of.get(id(layer))
+        if hidden.shape[1] > 1 or (isinstance(cache, SkipCache) and layer_idx is not None
+                                   and cache.keys[layer_idx] is None):
+            # a prompt, of one token too (a decode write finds no buffers there, and the eager
+            # write it fell back to broke each layer's graph into four: 8 graphs, 1.7 s, mid-serving)
+            if attention_mask is None:  # a one-token prompt sees only itself: a mask allowing all
+                attention_mask = hidden.new_zeros(hidden.shape[0], 1, 1, 1)
             return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile
         extra = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
-        layer_idx = index_of.get(id(layer))
         write = None
         if cache is not None and layer_idx is not None and hasattr(cache, "decode_write"):
             write = cache.decode_write(layer_idx, hidden.shape[0])
@@ -351,11 +355,11 @@ def _prefill_call(report: CompileReport, index_of: dict[int, int], traced_prefil
     kv_like: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (1, H_kv, 1, D) K/V geometry
 
     def run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra):
-        """A prefill layer call (T > 1 new tokens per row into a :class:`SkipCache`, no
-        gradient), compiled like a decode step with the cache write in its graph, the batch, T,
-        the key length and the buffers' capacity symbolic from the start
-        (:func:`_mark_dynamic`). A layer whose K/V geometry is not known yet (its first
-        prefill) runs eagerly once and teaches it. A failure turns compiled prefill off for good
+        """A prefill layer call (T new tokens per row into a :class:`SkipCache`, T > 1 or a
+        one-token prompt into an empty layer, no gradient), compiled like a decode step with the
+        cache write in its graph, the batch, T, the key length and the buffers' capacity symbolic
+        from the start (:func:`_mark_dynamic`). A layer whose K/V geometry is not known yet (its
+        first prefill) runs eagerly once and teaches it. A failure turns compiled prefill off for good
         and reruns the call eagerly; the decode steps stay compiled."""
         layer_idx = index_of.get(id(layer))
         if not report.prefill or layer_idx is None or not isinstance(cache, SkipCache):
@@ -491,108 +495,4 @@ def _compile_head(adapter: Adapter, backend: str, report: CompileReport) -> None
     adapter.head = head
 
 
-def _warm_policy(sk):
-    """The skipping policy the warm-up decodes with: the model's own when it skips (e.g. the
-    shipped 2x, whose full-depth first steps flip a decode-only adapter's switch to the base
-    weights), else a 2x decay over 2 tokens; None for models under 4 layers."""
-    from .policy import LinearDecayPolicy, for_speedup
-
-    if isinstance(sk.policy, LinearDecayPolicy):
-        return sk.policy
-    L = sk.adapter.num_layers
-    return for_speedup(L, 2.0, horizon=2) if L >= 4 else None
-
-
-def _warm_up_inflight(sk, new_tokens: int) -> None:
-    """Compile the in-flight variants too (:class:`~skipdecode.engine.Engine`: a slot cache, rows
-    of different ages whose plans differ, so layers run on one row or on several): one request
-    alone in slot 0 (keys read in place) past its full-depth steps, then a second joining; then
-    three rows in consecutive slots mixing full depth and the skipping policy, whose middle one
-    ends early so that the others run in slots that are not consecutive (keys gathered from the
-    buffer) with full-depth and skipping rows mixed, alone and together. On the way the
-    prefills' variants compile: one row and several (distinct prompts, not twins), from an empty
-    cache and after a stored prefix."""
-    from .engine import Engine, Request
-
-    policy = _warm_policy(sk)
-    lead = getattr(policy, "full_depth_steps", 0)
-    ids = sk.tokenizer("Hello there, how are you?")["input_ids"] or [0]
-    engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
-    # alone in slot 0 (read in place) through its full-depth steps and two skipping ones
-    engine.submit(Request(list(ids), max_new_tokens=2 * lead + new_tokens + 2, policy=policy))
-    for _ in range(lead + 2):
-        engine.step()
-    engine.submit(Request(list(ids[:2]) or [0], max_new_tokens=lead + new_tokens, policy=policy))
-    while engine.busy:
-        engine.step()
-    engine = Engine(sk.adapter, max_batch_size=3)  # prefills after a stored prefix, of one row and of two
-    base = list(ids) * 3
-    for group in ([base + list(ids[:1])], [base + list(ids[:2])], [base + list(ids[:3]), base + list(ids[:2])]):
-        for prompt in group:
-            engine.submit(Request(prompt, max_new_tokens=2, policy=None))
-        while engine.busy:
-            engine.step()
-    vocab = sk.adapter.model.get_input_embeddings().num_embeddings
-    for prompt, plans in ((list(ids), (None, policy, policy)), (list(ids) * 2, (policy, None, None))):
-        engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)  # (two prompt lengths: the
-        for i, plan in enumerate(plans):  # prefill of several rows compiles with a symbolic length)
-            # distinct prompts: equal ones joining at one step are prefilled once (twins), which
-            # would leave the prefill of several rows from an empty cache to a server's first burst
-            distinct = [(prompt[0] + i) % vocab] + prompt[1:]
-            engine.submit(Request(distinct, max_new_tokens=2 if i == 1 else lead + new_tokens, policy=plan))
-        while engine.busy:
-            engine.step()
-
-
-def warm_up(sk, report: CompileReport, batch_sizes: tuple[int, ...] = (1,), new_tokens: int = 4) -> CompileReport:
-    """Compile ahead of use: one short greedy generation per batch size, timed as a whole.
-
-    Per batch size, one generation runs the prefill and ``new_tokens - 1`` decode steps
-    at full depth (every layer, so every layer's variant is compiled) with two different key
-    lengths, which is what makes key length symbolic, on equal prompts (decode steps without a
-    mask, :func:`skipdecode.forward.unmasked_layers`), and one runs the model's skipping policy
-    past its full-depth first steps (:func:`_warm_policy`) on the same prompts and, from batch 2
-    on, again on prompts of two lengths (left padding: decode steps with a mask; without a
-    skipping policy that run is at full depth); then in-flight rows of different ages,
-    plans and slot layouts compile the engine's variants (:func:`_warm_up_inflight`). Adds the
-    wall-clock seconds to ``report.compile_seconds``.
-
-    Args:
-        sk: a :class:`skipdecode.model.SkipModel` whose adapter went through :func:`compile_adapter`.
-        report: its report (updated in place and returned).
-        batch_sizes: batch sizes to compile for (sequences); later sizes reuse a symbolic batch.
-        new_tokens: tokens per warm-up generation (>= 3).
-
-    Raises:
-        ValueError: ``new_tokens`` < 3.
-    """
-    if new_tokens < 3:
-        raise ValueError(f"new_tokens must be >= 3, got {new_tokens}")
-    if not report.enabled:
-        return report
-    from .generate import generate
-
-    start = time.perf_counter()
-    policy = _warm_policy(sk)
-    lead = getattr(policy, "full_depth_steps", 0)
-    for B in batch_sizes:
-        prompts = ["Hello there, how are you?"] * B
-        # unpadded: decode steps whose layers get no mask (forward.unmasked_layers)
-        generate(sk.adapter, sk.tokenizer, prompts, max_new_tokens=new_tokens, eos_token_ids=[], chat=False)
-        padded = [["Hi"] + prompts[1:]] if B > 1 else []  # left padding: decode steps with a mask
-        if policy is not None:  # skipping steps (and a decode-only adapter's switch both ways)
-            for batch in [prompts] + padded:
-                generate(sk.adapter, sk.tokenizer, batch, policy=policy, max_new_tokens=lead + new_tokens,
-                         eos_token_ids=[], chat=False)
-        else:
-            for batch in padded:
-                generate(sk.adapter, sk.tokenizer, batch, max_new_tokens=new_tokens, eos_token_ids=[], chat=False)
-        report.warmed_batch_sizes.append(B)
-    _warm_up_inflight(sk, new_tokens)
-    report.compile_seconds += time.perf_counter() - start
-    if report.mode == "kernels":
-        from .quantize import kernel_error
-
-        if kernel_error():
-            report.enabled, report.error = False, kernel_error()
-    return report
+from .compile_warmup import warm_up  # noqa: E402  (re-exported; the warm-up lives in its own module)
