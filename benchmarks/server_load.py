@@ -199,18 +199,24 @@ def scheduler_stats(url: str) -> dict:
     one-at-a-time ``--serial`` one)."""
     import httpx
 
-    return httpx.get(url + "/health", timeout=10).json().get("scheduler") or {}
+    health = httpx.get(url + "/health", timeout=10).json()
+    stats = dict(health.get("scheduler") or {})
+    if health.get("compile"):  # graphs compiled after the server's start-up (each one stalls every stream)
+        stats["graphs_after_start"] = health["compile"]["graphs_after_start"]
+    return stats
 
 
 def engine_deltas(before: dict, after: dict) -> dict:
     """What the server's engine did between two :func:`scheduler_stats`: the prompt tokens its
     prefix cache reused and computed, and its seconds in prefills and in decode steps and its
-    decode steps (``engine_prefill_s``, ``engine_decode_s``, ``engine_decode_steps``; 0 where the
-    server does not report them)."""
+    decode steps (``engine_prefill_s``, ``engine_decode_s``, ``engine_decode_steps``), and the
+    graphs torch.compile compiled meanwhile (``graphs_compiled``: a compile inside a timed cell
+    stalls it for a second or more; the cell is then not a fair measure); 0 where the server does
+    not report them."""
     pb, pa = before.get("prefix_cache") or {}, after.get("prefix_cache") or {}
     out = {k: pa[k] - pb[k] if k in pa and k in pb else 0 for k in ("cached_prompt_tokens", "computed_prompt_tokens")}
     for key, name in (("prefill_seconds", "engine_prefill_s"), ("decode_seconds", "engine_decode_s"),
-                      ("decode_steps", "engine_decode_steps")):
+                      ("decode_steps", "engine_decode_steps"), ("graphs_after_start", "graphs_compiled")):
         out[name] = after[key] - before[key] if key in after and key in before else 0
     return out
 
@@ -305,7 +311,11 @@ async def load(url: str, texts: list[str], clients: int, speedup: float, max_tok
         await asyncio.gather(*(worker(k) for k in range(clients)))
         seconds = time.perf_counter() - t0
         cpu = cpu_use(cpu0, cpu_snapshot(server_pid), server_pid)
-        timed = {k: v for k, v in engine_deltas(stats0, scheduler_stats(url)).items() if k.startswith("engine_")}
+        timed = {k: v for k, v in engine_deltas(stats0, scheduler_stats(url)).items()
+                 if k.startswith("engine_") or k == "graphs_compiled"}
+    if timed.get("graphs_compiled"):
+        print(f"warning: the server compiled {timed['graphs_compiled']} graph(s) inside this timed cell "
+              f"({clients} clients, speedup {speedup}): the cell includes their compile time", file=sys.stderr)
     lat = np.array([r[0] for r in results])
     ttft = np.array([r[1] for r in results])
     tokens = sum(r[2] for r in results)

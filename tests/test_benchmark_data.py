@@ -155,16 +155,17 @@ def test_server_load_repeats_alternate_the_speedups_and_take_median_ratios(monke
 
 def test_server_load_splits_a_cells_engine_time_from_health():
     """A cell's row records what the server's engine did in it (from /health before and after):
-    prompt tokens reused and computed, seconds in prefills and decode steps, decode steps; a
-    server that reports none of them (the serial one) gives zeros, not an error."""
+    prompt tokens reused and computed, seconds in prefills and decode steps, decode steps, graphs
+    compiled meanwhile; a server that reports none of them (the serial one) gives zeros, not an
+    error."""
     script = load_benchmark("server_load")
     before = {"prefix_cache": {"cached_prompt_tokens": 10, "computed_prompt_tokens": 50},
-              "prefill_seconds": 1.5, "decode_seconds": 4.0, "decode_steps": 100}
+              "prefill_seconds": 1.5, "decode_seconds": 4.0, "decode_steps": 100, "graphs_after_start": 2}
     after = {"prefix_cache": {"cached_prompt_tokens": 25, "computed_prompt_tokens": 90},
-             "prefill_seconds": 2.25, "decode_seconds": 9.5, "decode_steps": 340}
+             "prefill_seconds": 2.25, "decode_seconds": 9.5, "decode_steps": 340, "graphs_after_start": 5}
     assert script.engine_deltas(before, after) == {
         "cached_prompt_tokens": 15, "computed_prompt_tokens": 40, "engine_prefill_s": 0.75,
-        "engine_decode_s": 5.5, "engine_decode_steps": 240}
+        "engine_decode_s": 5.5, "engine_decode_steps": 240, "graphs_compiled": 3}
     assert script.engine_deltas({}, {}) == {
         "cached_prompt_tokens": 0, "computed_prompt_tokens": 0, "engine_prefill_s": 0,
-        "engine_decode_s": 0, "engine_decode_steps": 0}
+        "engine_decode_s": 0, "engine_decode_steps": 0, "graphs_compiled": 0}

@@ -110,3 +110,27 @@ def test_a_row_alone_in_a_later_slot_compiles_nothing_new(base_dir, decode_only_
         after_warm = counters["stats"]["unique_graphs"]
         _lone_rows(sk)
         assert counters["stats"]["unique_graphs"] == after_warm, adapter
+
+
+def test_health_reports_graphs_compiled_after_the_server_started(tokenizer):
+    """``/health``'s ``compile``: None for an eager model; for a compiled one its warm-up seconds
+    and ``graphs_after_start``, 0 while requests stay within what the warm-ups ran, and counting
+    the graphs a request compiled mid-serving (a long prompt without the long-prompt warm-up)."""
+    from fastapi.testclient import TestClient
+
+    from skipdecode.server import create_app
+
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    with TestClient(create_app(eager, "tiny")) as client:
+        assert client.get("/health").json()["compile"] is None
+    torch._dynamo.reset()
+    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    with TestClient(create_app(sk, "tiny", prefill_chunk_tokens=CHUNK)) as client:
+        short = client.post("/v1/completions", json={"prompt": "The Eagle", "max_tokens": 4})
+        state = client.get("/health").json()["compile"]
+        assert short.status_code == 200
+        assert state["enabled"] and state["warm_up_seconds"] > 0 and state["graphs_after_start"] == 0
+        long_ = client.post("/v1/completions", json={"prompt": [_ids(3, 200, 128)], "max_tokens": 2})
+        assert long_.status_code == 200
+        assert client.get("/health").json()["compile"]["graphs_after_start"] > 0

@@ -18,7 +18,7 @@ from .decode_attention import MAX_SCORES
 if TYPE_CHECKING:  # (skipdecode.compiled imports this module: its CompileReport only annotates here)
     from .compiled import CompileReport
 
-__all__ = ["warm_up", "warm_up_long_prompts"]
+__all__ = ["warm_up", "warm_up_long_prompts", "compiled_graphs"]
 
 
 def _warm_policy(sk):
@@ -182,3 +182,13 @@ def warm_up_long_prompts(sk, report: CompileReport, prefill_chunk_tokens: int = 
         engine.run([Request(p, max_new_tokens=2) for p in wave if len(p) <= longest])
     report.compile_seconds += time.perf_counter() - start
     return report
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's ``unique_graphs``
+    counter, every model and function together). The server reports those compiled after it
+    started (``/health``'s ``compile.graphs_after_start``): each one stopped every stream while it
+    compiled, so anything but 0 names a variant the warm-up missed."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -61,6 +61,7 @@ from .protocol import (
     validate_request,
     validation_message,
 )
+from .compile_warmup import compiled_graphs
 from .scheduler import QueueFull, Scheduler
 from .server_metrics import RequestTimer, ServerMetrics
 
@@ -256,6 +257,8 @@ class _Routes:
         self.executor = executor
         self.metrics = metrics
         self.tokenizer_lock = threading.Lock()  # a fast tokenizer must not be reconfigured by two threads at once
+        # graphs compiled so far (the model's warm-ups): later ones compiled mid-serving
+        self.graphs_at_start = compiled_graphs() if getattr(model, "compile_report", None) is not None else 0
 
     def register(self, app: FastAPI) -> None:
         """Add the routes (the module docstring's endpoints) to ``app``."""
@@ -429,7 +432,14 @@ class _Routes:
     async def health(self) -> dict[str, Any]:
         loop = type(asyncio.get_running_loop()).__module__.split(".")[0]  # "uvloop" or "asyncio"
         return {"status": "ok", "num_layers": self.model.num_layers, "policy": self.model.policy.to_dict(),
-                "scheduler": self.scheduler.stats(), "event_loop": loop}
+                "scheduler": self.scheduler.stats(), "event_loop": loop, "compile": self._compile_state()}
+
+    def _compile_state(self) -> dict[str, Any] | None:
+        report = getattr(self.model, "compile_report", None)
+        if report is None:  # not compiled
+            return None
+        return {"enabled": report.enabled, "warm_up_seconds": report.compile_seconds,
+                "graphs_after_start": compiled_graphs() - self.graphs_at_start}
 
     def prometheus(self, request: Request) -> Response:
         content, content_type = self.metrics.render(request.headers.get("accept"))
