@@ -12,6 +12,7 @@ from skipdecode.engine import Engine, Request
 from skipdecode.model import SkipModel
 
 from conftest import make_model
+from test_compiled import run_waves
 from test_decode_only_adapter import decode_only_dir  # noqa: F401  (a fixture)
 from test_skip_adapter import ADAPTER_POLICY, adapter_dir, base_dir  # noqa: F401  (fixtures)
 
@@ -28,27 +29,18 @@ def _long_traffic(adapter, vocab):
     row's tokens and first logits."""
     shared = _ids(90, 24, vocab)
     engine = Engine(adapter, max_batch_size=4, keep_logits=True, prefill_chunk_tokens=CHUNK)
-    out = []
-    for wave in ([shared + _ids(91, 111, vocab), shared + _ids(92, 116, vocab), _ids(93, 148, vocab)],
-                 [shared + _ids(94, 120, vocab), shared + _ids(95, 124, vocab)],
-                 [_ids(96, 149, vocab)], [_ids(97, 250, vocab)]):
-        reqs = [Request(p, max_new_tokens=3) for p in wave]
-        first, rows = {}, {}
-        for r in reqs:
-            engine.submit(r)
-        while engine.busy:
-            for ev in engine.step():
-                first.setdefault(id(ev.row.request), ev.logits)
-                rows[id(ev.row.request)] = ev.row
-        out += [(list(rows[id(r)].tokens), first[id(r)]) for r in reqs]
+    out = run_waves(engine, ([shared + _ids(91, 111, vocab), shared + _ids(92, 116, vocab), _ids(93, 148, vocab)],
+                             [shared + _ids(94, 120, vocab), shared + _ids(95, 124, vocab)],
+                             [_ids(96, 149, vocab)], [_ids(97, 250, vocab)]))
     assert engine.prefix_cache.stats()["cached_prompt_tokens"] >= 48  # the second wave ran after the prefix
     return out
 
 
 def test_long_prompts_compile_nothing_new_after_the_long_warm_up(tokenizer):
-    """After ``warm_up`` and ``warm_up_long_prompts`` (what ``skipdecode serve --compile`` runs), long-prompt traffic compiles no new graph and breaks none, and every row's
-    tokens and first logits equal the eager engine's (1e-5, float32). Without the long warm-up
-    the same traffic compiles new graphs (the check can fail)."""
+    """After ``warm_up`` and ``warm_up_long_prompts`` (what ``skipdecode serve --compile``
+    runs), long-prompt traffic compiles no new graph and breaks none, and every row's tokens and
+    first logits equal the eager engine's (1e-5, float32). Without the long warm-up the same
+    traffic compiles new graphs (the check can fail)."""
     from torch._dynamo.utils import counters
 
     vocab = 128

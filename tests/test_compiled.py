@@ -341,17 +341,15 @@ def test_decode_write_targets():
     assert slots.lengths[0].tolist() == [2, 3, 3, 2]
 
 
-def _prefill_engine(adapter):
-    """Rows joining in groups of 1, 3 and 2, their prompts sharing a 12-token prefix (the second
-    and third groups prefill after the stored prefix), greedy, full depth; returns each row's
-    tokens and first logits (the prefill's)."""
-    from skipdecode.engine import Engine, Request
+def run_waves(engine, waves, max_new_tokens=3):
+    """Submit each wave of prompts (lists of token ids) to ``engine`` together and step until
+    they end (greedy, full depth); returns each row's (tokens, first logits: the prefill's), in
+    submission order. ``engine`` needs ``keep_logits=True``."""
+    from skipdecode.engine import Request
 
-    engine = Engine(adapter, max_batch_size=4, keep_logits=True)
-    shared = list(range(5, 17))
     out = []
-    for group in ([[20, 21]], [[22], [23, 24, 25], [26, 27]], [[28, 29, 30, 31], [32]]):
-        reqs = [Request(shared + tail, max_new_tokens=3) for tail in group]
+    for wave in waves:
+        reqs = [Request(list(p), max_new_tokens=max_new_tokens) for p in wave]
         first, rows = {}, {}
         for r in reqs:
             engine.submit(r)
@@ -360,29 +358,31 @@ def _prefill_engine(adapter):
                 first.setdefault(id(ev.row.request), ev.logits)
                 rows[id(ev.row.request)] = ev.row
         out += [(list(rows[id(r)].tokens), first[id(r)]) for r in reqs]
-    return engine, out
+    return out
+
+
+def _prefill_engine(adapter):
+    """Rows joining in groups of 1, 3 and 2, their prompts sharing a 12-token prefix (the second
+    and third groups prefill after the stored prefix), greedy, full depth; returns the engine and
+    each row's tokens and first logits (the prefill's)."""
+    from skipdecode.engine import Engine
+
+    engine = Engine(adapter, max_batch_size=4, keep_logits=True)
+    shared = list(range(5, 17))
+    groups = ([[20, 21]], [[22], [23, 24, 25], [26, 27]], [[28, 29, 30, 31], [32]])
+    return engine, run_waves(engine, [[shared + tail for tail in group] for group in groups])
 
 
 def _burst_engine(adapter):
     """Three distinct prompts (5, 9 and 7 tokens) joining at once with no prefix stored, then two
-    more, then one-token prompts alone and two at once; greedy, full depth; returns each row's
-    tokens and first logits."""
-    from skipdecode.engine import Engine, Request
+    more, then one-token prompts alone and two at once; greedy, full depth; returns the engine and
+    each row's tokens and first logits."""
+    from skipdecode.engine import Engine
 
     engine = Engine(adapter, max_batch_size=4, keep_logits=True, prefix_cache=False)
-    out = []
-    for group in ([list(range(40, 45)), list(range(50, 59)), list(range(60, 67))], [[70, 71, 72], [80, 81, 82]],
-                  [[90]], [[91], [92]]):
-        reqs = [Request(p, max_new_tokens=3) for p in group]
-        first, rows = {}, {}
-        for r in reqs:
-            engine.submit(r)
-        while engine.busy:
-            for ev in engine.step():
-                first.setdefault(id(ev.row.request), ev.logits)
-                rows[id(ev.row.request)] = ev.row
-        out += [(list(rows[id(r)].tokens), first[id(r)]) for r in reqs]
-    return engine, out
+    waves = ([list(range(40, 45)), list(range(50, 59)), list(range(60, 67))], [[70, 71, 72], [80, 81, 82]],
+             [[90]], [[91], [92]])
+    return engine, run_waves(engine, waves)
 
 
 def test_compiled_prefill_equals_eager_and_compiles_nothing_new(tokenizer):
