@@ -126,3 +126,32 @@ def test_health_reports_graphs_compiled_after_the_server_started(tokenizer):
         long_ = client.post("/v1/completions", json={"prompt": [_ids(3, 200, 128)], "max_tokens": 2})
         assert long_.status_code == 200
         assert client.get("/health").json()["compile"]["graphs_after_start"] > 0
+
+
+def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(tokenizer):
+    """A prompt one token longer than a whole number of chunks (17 tokens in chunks of 8) is
+    prefilled as 8 + 7 + 2: a last chunk of one token had a decode step's shape on the prompt's
+    own cache (its key length equal to the cache's size), a variant that compiled mid-serving.
+    After ``warm_up`` it compiles nothing, and its answer equals the whole prefill's (1e-5)."""
+    from torch._dynamo.utils import counters
+
+    from skipdecode.chunked_prefill import run_chunk, start_partial
+
+    prompt = _ids(5, 17, 128)
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    part = start_partial(eager.adapter, Request(prompt, max_new_tokens=2), 0, None, 0.0)
+    sizes = []
+    while part.remaining:
+        before = part.done
+        run_chunk(eager.adapter, part, 8, torch.device("cpu"))
+        sizes.append(part.done - before)
+    assert sizes == [8, 7, 2]
+    want = run_waves(Engine(eager.adapter, max_batch_size=2, keep_logits=True), [[prompt]])
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    got = run_waves(Engine(sk.adapter, max_batch_size=2, keep_logits=True, prefill_chunk_tokens=8), [[prompt]])
+    assert counters["stats"]["unique_graphs"] == after_warm
+    assert got[0][0] == want[0][0] and (got[0][1] - want[0][1]).abs().max().item() <= 1e-5
