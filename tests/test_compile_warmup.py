@@ -155,3 +155,27 @@ def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(tokenizer):
     got = run_waves(Engine(sk.adapter, max_batch_size=2, keep_logits=True, prefill_chunk_tokens=8), [[prompt]])
     assert counters["stats"]["unique_graphs"] == after_warm
     assert got[0][0] == want[0][0] and (got[0][1] - want[0][1]).abs().max().item() <= 1e-5
+
+
+def test_one_token_after_a_stored_prefix_compiles_nothing_new(tokenizer):
+    """A prompt that is a stored prefix and one token more (the same prompt sent again, or a
+    request's choices arriving apart) prefills one token on the stored keys: alone and two at once,
+    nothing new after ``warm_up`` (it compiled mid-serving on a user's check), answers equal to
+    the eager engine's (1e-5)."""
+    from torch._dynamo.utils import counters
+
+    shared = _ids(11, 16, 128)
+    waves = [[shared + [3, 4, 5], shared + [6, 7]], [shared + [8]], [shared + [9], shared + [10]]]
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    want = run_waves(Engine(eager.adapter, max_batch_size=4, keep_logits=True), waves)
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    engine = Engine(sk.adapter, max_batch_size=4, keep_logits=True)
+    got = run_waves(engine, waves)
+    assert engine.prefix_cache.stats()["cached_prompt_tokens"] == 3 * 16  # the last three ran one token each
+    assert counters["stats"]["unique_graphs"] == after_warm
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5

@@ -42,7 +42,8 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
     buffer), mixed or both skipping, and then the last alone, skipping and at full depth (three
     runs; with a decode-only adapter its switch state is part of each variant). On the way the
     prefills' variants compile: one row and several (distinct prompts, not twins), from an empty
-    cache and after a stored prefix, and one-token prompts alone and two together."""
+    cache and after a stored prefix (one token after it too), and one-token prompts alone and two
+    together."""
     from .engine import Engine, Request
 
     policy = _warm_policy(sk)
@@ -67,6 +68,11 @@ def _warm_up_inflight(sk, new_tokens: int) -> None:
             engine.submit(Request(prompt, max_new_tokens=2, policy=None))
         while engine.busy:
             engine.step()
+    stored = max(engine.prefix_cache.entries, key=len, default=None)
+    if stored is not None:  # a stored prefix and one token more (e.g. the same prompt again): a
+        # one-token prefill on stored keys, alone and two at once
+        for group in ([list(stored) + [one[0]]], [list(stored) + [t] for t in one]):
+            engine.run([Request(p, max_new_tokens=2) for p in group])
     for prompt, plans in ((list(ids), (None, policy, policy)), (list(ids), (policy, None, policy)),
                           (list(ids) * 2, (policy, None, None))):
         engine = Engine(sk.adapter, max_batch_size=3, prefix_cache=False)  # (two prompt lengths: the
