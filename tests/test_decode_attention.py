@@ -169,5 +169,29 @@ def test_compiled_decode_steps_trace_the_grouped_products_not_sdpa():
     ids, mask = left_pad([[5, 6, 7, 8, 9], [10, 11]], 0)
     list(generate_step(adapter, ids, mask, max_new_tokens=4))
     assert report.enabled, report.error
-    decode = [t for t in seen if any("softmax" in x for x in t)]
+    decode = [t for t in seen if any("softmax" in x or "amax" in x for x in t)]  # (compiled: _softmax)
     assert decode and not any(any("scaled_dot_product" in x for x in t) for t in decode)
+
+
+def test_compiled_decode_attention_past_4096_keys_compiles_nothing_new():
+    """Compiled with inductor (its C++ code) and the key length symbolic, one query per row over
+    100 keys and then over 5000 run the same graph, with SDPA's values (1e-5): inductor's code for
+    a float32 sum switches to a chunked accumulator above 4096 elements and guarded the key length
+    on it, so the first decode step past 4096 keys recompiled every variant mid-serving; the
+    softmax's sum now runs in float64 while compiling (decode_attention._softmax)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = Heads(3)
+    fn = torch.compile(lambda q, k, v, m: grouped_decode_attention(module, q, k, v, m)[0], backend="inductor")
+    for K in (100, 5000):
+        q, k, v = _inputs(2, 9, 3, 1, K, D=16)
+        mask = torch.zeros(2, 1, 1, K)
+        mask[0, :, :, :7] = torch.finfo(torch.float32).min  # a left-padded row
+        for t in (k, v, mask):
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 1 if t is mask else 2)
+        got = fn(q, k, v, mask)
+        want, _ = sdpa_attention_forward(module, q, k, v, mask)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

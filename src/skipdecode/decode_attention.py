@@ -94,8 +94,22 @@ def grouped_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
-    out = torch.matmul(scores.softmax(-1).view(B, H_kv, G * T, K), value)  # (B, H_kv, G * T, D)
+    out = torch.matmul(_softmax(scores).view(B, H_kv, G * T, K), value)  # (B, H_kv, G * T, D)
     return out.view(B, H, T, D).transpose(1, 2), None
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.softmax(-1)``; while torch.compile traces, float32 scores are normalised by a sum
+    taken in float64. Inductor's C++ code for a float32 sum switches to a chunked accumulator
+    above 4096 elements (``torch/_inductor/codegen/cpp.py``) and guards the key length on it, so
+    the first decode step past 4096 keys compiled every decode variant again mid-serving (3-5
+    graphs, about 7 s, stop 59); a float64 sum has one code path. The sum is over at most the
+    context's keys, so the float64 pass costs nothing measurable; values agree with the float32
+    softmax to rounding."""
+    if scores.dtype != torch.float32 or not torch.compiler.is_compiling():
+        return scores.softmax(-1)
+    e = (scores - scores.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True, dtype=torch.float64).to(e.dtype)
 
 
 def _register() -> None:
