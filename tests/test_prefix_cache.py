@@ -194,6 +194,47 @@ def test_rows_from_different_prefixes_share_one_prefill_call_and_equal_solo(fami
     assert_solo(adapter, reqs, [(got[id(r)][0], torch.stack(got[id(r)][1])) for r in reqs])
 
 
+def test_shared_prefixes_are_chosen_only_where_they_save_tokens():
+    """The plan (:func:`skipdecode.prefill_buckets.shared_prefixes`): a prefix several joiners
+    share is prefilled first when that computes fewer tokens (buckets' cost, a forward = 32
+    tokens); two prompts sharing 32 tokens break even (2 x 37 + 32 against 2 x 5 + 32 + 32 + 32)
+    and are left alone; a prefix only one row would use, or one a stored entry covers, is not."""
+    from skipdecode.prefill_buckets import buckets_cost, shared_prefixes
+
+    tails = [ids(n, 40 + n) for n in (3, 5, 2, 6)]
+    four = [PREFIX + t for t in tails]
+    pc = PrefixCache()
+    assert shared_prefixes(pc, four, [0] * 4) == [tuple(PREFIX)]
+    assert buckets_cost([38, 38, 38, 38]) == 4 * 38 + 32 and buckets_cost([]) == 0
+    assert shared_prefixes(pc, four[:2], [0, 0]) == []  # 106 against 42 + 64: no gain
+    lone = PREFIX[:16] + ids(9, 50)  # shares 16 with the others, but their own longest is 32
+    assert shared_prefixes(pc, four + [lone], [0] * 5) == [tuple(PREFIX)]
+    two_pairs = [PREFIX + ids(4, 60), PREFIX + ids(5, 61), OTHER + ids(4, 62), OTHER + ids(6, 63)]
+    assert sorted(shared_prefixes(pc, two_pairs * 2, [0] * 8)) == sorted([tuple(PREFIX), tuple(OTHER)])
+    pc.store(PREFIX, *[[torch.zeros(2, SHARED, 4)] * 2] * 2)  # stored: nothing left to share
+    assert shared_prefixes(pc, four, [SHARED] * 4) == []
+
+
+def test_joiners_sharing_a_prefix_prefill_it_once_first_and_equal_solo(family):
+    """Four prompts that share 32 tokens join at one step: one forward runs the prefix (1 row, 32
+    tokens) and stores it, then one runs the four after it (4 rows, the longest tail); every row
+    gets its solo tokens and logits, reports 32 cached tokens, and the cache counts 32 + the tails
+    as computed."""
+    adapter = adapter_of(family)
+    tails = [ids(n, 40 + n) for n in (3, 5, 2, 6)]
+    reqs = [Request(PREFIX + t, 5, POLICIES[k]) for k, t in enumerate(tails)]
+    seen: list[tuple[int, int]] = []
+    handle = adapter.layers[0].register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape[:2])))
+    try:
+        eng, rows, results = run_rows(adapter, reqs, [0] * 4)
+    finally:
+        handle.remove()
+    assert seen[:2] == [(1, SHARED), (4, 6)]
+    assert cached_of(rows) == [SHARED] * 4
+    assert eng.prefix_cache.stats()["computed_prompt_tokens"] == SHARED + sum(map(len, tails))
+    assert_solo(adapter, reqs, results)
+
+
 def test_cache_lengths_per_layer_and_slot_are_the_whole_prompt_after_a_cached_join(family):
     adapter = adapter_of(family)
     eng = Engine(adapter, max_batch_size=4)
@@ -304,7 +345,8 @@ def test_generate_and_evaluate_pass_the_option_and_record_cached_tokens(tokenize
     assert seen == [True, False]
     assert on.token_ids == off.token_ids
     assert on.stats()["cached_prompt_tokens"] > 0 == off.stats()["cached_prompt_tokens"]
-    assert on.cached_prompt_tokens[:2] == [0, 0] and min(on.cached_prompt_tokens[2:]) >= 8
+    # the first two join together and share the 48-token instruction: it is prefilled once first
+    assert on.cached_prompt_tokens[:2] == [48, 48] and min(on.cached_prompt_tokens[2:]) >= 8
     items = [EvalItem(p, ("a pub",), p) for p in prompts]
     kw = dict(batch_size=2, max_new_tokens=5, stop=(), warmup=False, inflight=True)
     rep_on = evaluate(sk, items, [2.0], **kw)

@@ -35,7 +35,7 @@ from .lowrank import base_prefill, base_rows
 from .forward import skip_forward
 from .logprobs import check_logprobs, requested_logprobs
 from .policy import FullPolicy, check_policy, plan_layers
-from .prefill_buckets import PREFILL_CALL_TOKENS, length_buckets
+from .prefill_buckets import PREFILL_CALL_TOKENS, length_buckets, shared_prefixes
 from .engine_rows import Request, Row, TokenEvent, mean_batch_rows
 from .prefix_cache import PrefixCache, PrefixEntry, prefix_cache_budget, prefix_skip_cache
 from .sampling import Sampler, SamplingParams
@@ -251,7 +251,9 @@ class Engine:
         """Full-depth prefill of ``joiners`` into free slots (taken in joiner order), each prompt
         after the stored prefix it starts with (none: the whole prompt), in left-padded batches of
         similar remaining lengths (:func:`length_buckets`) whatever prefix each row starts from
-        (:func:`~skipdecode.prefix_cache.prefix_skip_cache`); then store newly shared prefixes.
+        (:func:`~skipdecode.prefix_cache.prefix_skip_cache`), after prefilling once the prefixes
+        that several of them share when that computes fewer tokens
+        (:meth:`_prefill_shared_prefixes`); then store newly shared prefixes.
         Joiners with the same prompt (a request's ``n`` choices) are prefilled once: the others'
         slots get a copy (:meth:`~skipdecode.cache.SlotCache.copy_slot`) and the same logits.
         With ``prefill_chunk_tokens`` C, a joiner with more than C tokens left to compute starts
@@ -280,6 +282,9 @@ class Engine:
         if not whole:
             self._count_prefill(start)
             return []
+        if pc is not None and len(whole) > 1 and self._prefill_shared_prefixes(
+                [joiners[i].prompt_ids for i in whole], [matches[i][1] for i in whole]):
+            matches.update({i: pc.lookup(joiners[i].prompt_ids) for i in whole})
         batches = length_buckets([len(joiners[i].prompt_ids) - matches[i][1] for i in whole])
         logits: dict[int, torch.Tensor] = {}
         for idx in batches:
@@ -343,20 +348,29 @@ class Engine:
     def _prefill_group(self, reqs: list[Request], slots: list[int],
                        entries: list[PrefixEntry | None]) -> torch.Tensor:
         """Prefill ``reqs`` at full depth, row i after its stored prefix ``entries[i]`` (p_i
-        tokens; None: p_i = 0), and load them into ``slots``; returns their last logits (B, V).
+        tokens; None: p_i = 0), and load them into ``slots``; returns their last logits (B, V)."""
+        cache, logits, C, S, lens, ps = self._forward_prompts([r.prompt_ids for r in reqs], entries)
+        for i, (slot, p) in enumerate(zip(slots, ps)):
+            self.cache.load_prefill(slot, cache, i, C + S - lens[i], C + S, prefix=p, prefix_start=C - p)
+        return logits
 
-        Each row runs its prompt's tokens after its prefix, left-padded among the group: columns
+    def _forward_prompts(self, prompts: list[Sequence[int]], entries: list[PrefixEntry | None]):
+        """The full-depth forward of a prefill batch: row i runs ``prompts[i]``'s tokens after its
+        stored prefix ``entries[i]`` (p_i tokens), left-padded among the batch: columns
         ``[padding][prefix p_i][padding][own tokens]`` with C = max p_i prefix columns, mask
         ``[0]*(C - p_i) + [1]*p_i + [0]*pad + [1]*s_i``. Positions come from the mask, so they
-        continue from p_i; the padding is masked out of attention."""
+        continue from p_i; the padding is masked out of attention. Returns ``(cache, logits, C,
+        S, lens, ps)``: the batch's :class:`SkipCache` (row i's prefix in columns ``C - p_i : C``,
+        its own tokens in ``C + S - lens[i] : C + S``), the last logits (B, V), C, S = max
+        ``lens``, the own token counts ``lens`` and the prefix lengths ``ps``."""
         ps = [0 if e is None else e.length for e in entries]
         C = max(ps)
-        lens = [len(r.prompt_ids) - p for r, p in zip(reqs, ps)]
+        lens = [len(ids) - p for ids, p in zip(prompts, ps)]
         S = max(lens)
-        ids = torch.zeros((len(reqs), S), dtype=torch.long)
-        mask = torch.zeros((len(reqs), C + S), dtype=torch.long)
-        for i, (r, p) in enumerate(zip(reqs, ps)):
-            ids[i, S - lens[i] :] = torch.as_tensor(list(r.prompt_ids[p:]), dtype=torch.long)
+        ids = torch.zeros((len(prompts), S), dtype=torch.long)
+        mask = torch.zeros((len(prompts), C + S), dtype=torch.long)
+        for i, (prompt, p) in enumerate(zip(prompts, ps)):
+            ids[i, S - lens[i] :] = torch.as_tensor(list(prompt[p:]), dtype=torch.long)
             mask[i, C - p : C] = 1
             mask[i, C + S - lens[i] :] = 1
         if C == 0:
@@ -370,9 +384,27 @@ class Engine:
             logits = skip_forward(
                 self.adapter, ids.to(self.device), mask.to(self.device), cache=cache, logits_last_only=True
             )[:, -1]
-        for i, (slot, p) in enumerate(zip(slots, ps)):
-            self.cache.load_prefill(slot, cache, i, C + S - lens[i], C + S, prefix=p, prefix_start=C - p)
-        return logits
+        return cache, logits, C, S, lens, ps
+
+    def _prefill_shared_prefixes(self, prompts: list[Sequence[int]], matched: list[int]) -> bool:
+        """Before a prefill batch: prefill once, in one forward, the prefixes that several of
+        ``prompts`` share and no stored entry covers, when that computes fewer tokens
+        (:func:`~skipdecode.prefill_buckets.shared_prefixes`; ``matched``: tokens each prompt
+        takes from a stored entry now), and store them in the prefix cache. True if it did."""
+        pc = self.prefix_cache
+        prefixes = shared_prefixes(pc, prompts, matched)
+        if not prefixes:
+            return False
+        cache, _, C, S, lens, ps = self._forward_prompts(prefixes, [pc.lookup(p)[0] for p in prefixes])
+        for i, prefix in enumerate(prefixes):
+            own = slice(C + S - lens[i], C + S)
+            keys, values = [], []
+            for k_buf, v_buf in zip(cache.keys, cache.values):
+                keys.append(torch.cat([k_buf[i, :, C - ps[i] : C], k_buf[i, :, own]], dim=-2))
+                values.append(torch.cat([v_buf[i, :, C - ps[i] : C], v_buf[i, :, own]], dim=-2))
+            pc.store(prefix, keys, values)
+        pc.computed_prompt_tokens += sum(lens)  # run for no request alone: counted here
+        return True
 
     def _reuse_recent_prefixes(self, joiners: list[Request]) -> None:
         """Before a prefill: store the prefixes that joiners share with recent prompts whose slot
