@@ -1,9 +1,18 @@
-"""The long-prompt warm-up (skipdecode.compile_warmup.warm_up_long_prompts): after it, long
-prompts (attention scores past MAX_SCORES: SDPA's path), whole in batches, after a stored prefix
-and chunked, compile nothing new, and answer as eager does."""
+"""What ``skipdecode serve --compile`` warms up compiles everything its traffic needs: after
+``warm_up`` a row alone in a later slot, a chunked prompt of kC + 1 tokens and a stored prefix plus
+one token compile nothing new; after the long-prompt warm-up
+(skipdecode.compile_warmup.warm_up_long_prompts), long prompts (attention scores past
+MAX_SCORES: SDPA's path), whole in batches, after a stored prefix and chunked, compile nothing
+new either; all answer as eager does; ``/health`` counts the graphs compiled after start-up.
+
+The tests that need a fresh dynamo (``torch._dynamo.reset()``) come first. The others share one
+warmed model (the ``warmed`` fixture, about 15 s of compiling saved per test) and run in file
+order: each checks only that its own traffic compiles nothing new; the /health test's long prompt
+compiles on purpose, before the last test runs the long-prompt warm-up."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from skipdecode.compile_warmup import warm_up_long_prompts
@@ -17,6 +26,7 @@ from test_decode_only_adapter import decode_only_dir  # noqa: F401  (a fixture)
 from test_skip_adapter import ADAPTER_POLICY, adapter_dir, base_dir  # noqa: F401  (fixtures)
 
 CHUNK = 150  # the test models hold 256 positions: chunks of 150 reach SDPA's path (T x K > 128 x 128)
+VOCAB = 128
 
 
 def _ids(seed, count, vocab):
@@ -34,35 +44,6 @@ def _long_traffic(adapter, vocab):
                              [_ids(96, 149, vocab)], [_ids(97, 250, vocab)]))
     assert engine.prefix_cache.stats()["cached_prompt_tokens"] >= 48  # the second wave ran after the prefix
     return out
-
-
-def test_long_prompts_compile_nothing_new_after_the_long_warm_up(tokenizer):
-    """After ``warm_up`` and ``warm_up_long_prompts`` (what ``skipdecode serve --compile``
-    runs), long-prompt traffic compiles no new graph and breaks none, and every row's tokens and
-    first logits equal the eager engine's (1e-5, float32). Without the long warm-up the same
-    traffic compiles new graphs (the check can fail)."""
-    from torch._dynamo.utils import counters
-
-    vocab = 128
-    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    want = _long_traffic(eager.adapter, vocab)
-    for long_warm_up in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
-        report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-        if long_warm_up:
-            before = report.compile_seconds
-            assert warm_up_long_prompts(sk, report, CHUNK) is report and report.compile_seconds > before
-        after_warm = counters["stats"]["unique_graphs"]
-        got = _long_traffic(sk.adapter, vocab)
-        new_graphs = counters["stats"]["unique_graphs"] - after_warm
-        assert (new_graphs == 0) == long_warm_up, new_graphs
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert report.enabled and report.prefill, report.prefill_error
-    for (toks, logits), (want_toks, want_logits) in zip(got, want):
-        assert toks == want_toks
-        assert (logits - want_logits).abs().max().item() <= 1e-5
 
 
 def test_long_warm_up_is_a_no_op_when_compiling_is_off(tokenizer):
@@ -104,37 +85,41 @@ def test_a_row_alone_in_a_later_slot_compiles_nothing_new(base_dir, decode_only_
     assert counters["stats"]["unique_graphs"] == after_warm
 
 
-def test_health_reports_graphs_compiled_after_the_server_started(tokenizer):
-    """``/health``'s ``compile``: None for an eager model; for a compiled one its warm-up seconds
-    and ``graphs_after_start``, 0 while requests stay within what the warm-ups ran, and counting
-    the graphs a request compiled mid-serving (a long prompt without the long-prompt warm-up)."""
-    from fastapi.testclient import TestClient
+@pytest.mark.slow  # about 25 s of compiling on 2 cores: the contrast to the test below
+def test_long_prompts_compile_new_graphs_without_the_long_warm_up(tokenizer):
+    """Without the long warm-up the long traffic compiles new graphs (so that the check of
+    ``test_long_prompts_compile_nothing_new_after_the_long_warm_up`` can fail)."""
+    from torch._dynamo.utils import counters
 
-    from skipdecode.server import create_app
-
-    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    with TestClient(create_app(eager, "tiny")) as client:
-        assert client.get("/health").json()["compile"] is None
     torch._dynamo.reset()
+    counters.clear()
     sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    sk.compile_report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    with TestClient(create_app(sk, "tiny", prefill_chunk_tokens=CHUNK)) as client:
-        short = client.post("/v1/completions", json={"prompt": "The Eagle", "max_tokens": 4})
-        state = client.get("/health").json()["compile"]
-        assert short.status_code == 200
-        assert state["enabled"] and state["warm_up_seconds"] > 0 and state["graphs_after_start"] == 0
-        long_ = client.post("/v1/completions", json={"prompt": [_ids(3, 200, 128)], "max_tokens": 2})
-        assert long_.status_code == 200
-        assert client.get("/health").json()["compile"]["graphs_after_start"] > 0
+    warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    after_warm = counters["stats"]["unique_graphs"]
+    _long_traffic(sk.adapter, VOCAB)
+    assert counters["stats"]["unique_graphs"] > after_warm
 
 
-def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(tokenizer):
+@pytest.fixture(scope="module")
+def warmed(tokenizer):
+    """A 4-layer llama, compiled (aot_eager) after a dynamo reset and warmed up at batch 1 and 2
+    as ``serve --compile`` does: ``(sk, report, graphs)``, ``graphs()`` the graphs compiled so far
+    in this process."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    assert report.enabled, report.error
+    return sk, report, lambda: counters["stats"]["unique_graphs"]
+
+
+def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(warmed, tokenizer):
     """A prompt one token longer than a whole number of chunks (17 tokens in chunks of 8) is
     prefilled as 8 + 7 + 2: a last chunk of one token had a decode step's shape on the prompt's
     own cache (its key length equal to the cache's size), a variant that compiled mid-serving.
     After ``warm_up`` it compiles nothing, and its answer equals the whole prefill's (1e-5)."""
-    from torch._dynamo.utils import counters
-
     from skipdecode.chunked_prefill import run_chunk, start_partial
 
     prompt = _ids(5, 17, 128)
@@ -147,35 +132,92 @@ def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(tokenizer):
         sizes.append(part.done - before)
     assert sizes == [8, 7, 2]
     want = run_waves(Engine(eager.adapter, max_batch_size=2, keep_logits=True), [[prompt]])
-    torch._dynamo.reset()
-    counters.clear()
-    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    after_warm = counters["stats"]["unique_graphs"]
+    sk, _, graphs = warmed
+    after_warm = graphs()
     got = run_waves(Engine(sk.adapter, max_batch_size=2, keep_logits=True, prefill_chunk_tokens=8), [[prompt]])
-    assert counters["stats"]["unique_graphs"] == after_warm
+    assert graphs() == after_warm
     assert got[0][0] == want[0][0] and (got[0][1] - want[0][1]).abs().max().item() <= 1e-5
 
 
-def test_one_token_after_a_stored_prefix_compiles_nothing_new(tokenizer):
+
+def test_one_token_after_a_stored_prefix_compiles_nothing_new(warmed, tokenizer):
     """A prompt that is a stored prefix and one token more (the same prompt sent again, or a
     request's choices arriving apart) prefills one token on the stored keys: alone and two at once,
     nothing new after ``warm_up`` (it compiled mid-serving on a user's check), answers equal to
     the eager engine's (1e-5)."""
-    from torch._dynamo.utils import counters
-
     shared = _ids(11, 16, 128)
     waves = [[shared + [3, 4, 5], shared + [6, 7]], [shared + [8]], [shared + [9], shared + [10]]]
     eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
     want = run_waves(Engine(eager.adapter, max_batch_size=4, keep_logits=True), waves)
-    torch._dynamo.reset()
-    counters.clear()
-    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    after_warm = counters["stats"]["unique_graphs"]
+    sk, _, graphs = warmed
+    after_warm = graphs()
     engine = Engine(sk.adapter, max_batch_size=4, keep_logits=True)
     got = run_waves(engine, waves)
     assert engine.prefix_cache.stats()["cached_prompt_tokens"] == 3 * 16  # the last three ran one token each
-    assert counters["stats"]["unique_graphs"] == after_warm
+    assert graphs() == after_warm
     for (toks, logits), (want_toks, want_logits) in zip(got, want):
         assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5
+
+
+def test_a_wave_sharing_a_prefix_compiles_nothing_new(warmed, tokenizer):
+    """Four prompts that share 24 tokens join at once: their prefix is prefilled first (one row),
+    then the four after it (the engine's in-batch prefix sharing); nothing new after ``warm_up``,
+    answers equal to the eager engine's (1e-5)."""
+    shared = _ids(21, 24, VOCAB)
+    waves = [[shared + _ids(22 + k, 3 + k, VOCAB) for k in range(4)]]
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    want = run_waves(Engine(eager.adapter, max_batch_size=4, keep_logits=True), waves)
+    sk, _, graphs = warmed
+    after_warm = graphs()
+    engine = Engine(sk.adapter, max_batch_size=4, keep_logits=True)
+    got = run_waves(engine, waves)
+    assert engine.prefix_cache.stats()["cached_prompt_tokens"] == 4 * 24  # the prefix ran once, first
+    assert graphs() == after_warm
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5
+
+
+def test_health_reports_graphs_compiled_after_the_server_started(warmed, tokenizer):
+    """``/health``'s ``compile``: None for an eager model; for a compiled one its warm-up seconds
+    and ``graphs_after_start``, 0 while requests stay within what the warm-ups ran, and counting
+    the graphs a request compiled mid-serving (a long prompt before the long-prompt warm-up: so
+    this test runs before the one that runs it)."""
+    from fastapi.testclient import TestClient
+
+    from skipdecode.server import create_app
+
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    with TestClient(create_app(eager, "tiny")) as client:
+        assert client.get("/health").json()["compile"] is None
+    sk, report, _ = warmed
+    sk.compile_report = report
+    with TestClient(create_app(sk, "tiny", prefill_chunk_tokens=CHUNK)) as client:
+        short = client.post("/v1/completions", json={"prompt": "The Eagle", "max_tokens": 4})
+        state = client.get("/health").json()["compile"]
+        assert short.status_code == 200
+        assert state["enabled"] and state["warm_up_seconds"] > 0 and state["graphs_after_start"] == 0
+        long_ = client.post("/v1/completions", json={"prompt": [_ids(3, 200, VOCAB)], "max_tokens": 2})
+        assert long_.status_code == 200
+        assert client.get("/health").json()["compile"]["graphs_after_start"] > 0
+
+
+def test_long_prompts_compile_nothing_new_after_the_long_warm_up(warmed, tokenizer):
+    """After ``warm_up`` and ``warm_up_long_prompts`` (what ``skipdecode serve --compile``
+    runs), long-prompt traffic compiles no new graph and breaks none, and every row's tokens and
+    first logits equal the eager engine's (1e-5, float32). (The slow test above shows the same
+    traffic compiling without the long warm-up.)"""
+    from torch._dynamo.utils import counters
+
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    want = _long_traffic(eager.adapter, VOCAB)
+    sk, report, graphs = warmed
+    before = report.compile_seconds
+    assert warm_up_long_prompts(sk, report, CHUNK) is report and report.compile_seconds > before
+    after_warm = graphs()
+    got = _long_traffic(sk.adapter, VOCAB)
+    assert graphs() == after_warm
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert report.enabled and report.prefill, report.prefill_error
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks
+        assert (logits - want_logits).abs().max().item() <= 1e-5
