@@ -1,6 +1,6 @@
 """What ``skipdecode serve --compile`` warms up compiles everything its traffic needs: after
-``warm_up`` a row alone in a later slot, a chunked prompt of kC + 1 tokens and a stored prefix plus
-one token compile nothing new; after the long-prompt warm-up
+``warm_up`` a chunked prompt of kC + 1 tokens, a stored prefix plus one token and a wave sharing a
+prefix compile nothing new (a row alone in a later slot: tests/test_full_depth_steps.py); after the long-prompt warm-up
 (skipdecode.compile_warmup.warm_up_long_prompts), long prompts (attention scores past
 MAX_SCORES: SDPA's path), whole in batches, after a stored prefix and chunked, compile nothing
 new either; all answer as eager does; ``/health`` counts the graphs compiled after start-up.
@@ -22,8 +22,6 @@ from skipdecode.model import SkipModel
 
 from conftest import make_model
 from test_compiled import run_waves
-from test_decode_only_adapter import decode_only_dir  # noqa: F401  (a fixture)
-from test_skip_adapter import ADAPTER_POLICY, adapter_dir, base_dir  # noqa: F401  (fixtures)
 
 CHUNK = 150  # the test models hold 256 positions: chunks of 150 reach SDPA's path (T x K > 128 x 128)
 VOCAB = 128
@@ -54,35 +52,6 @@ def test_long_warm_up_is_a_no_op_when_compiling_is_off(tokenizer):
     report = CompileReport(enabled=False, error="no compiler here")
     assert warm_up_long_prompts(sk, report, CHUNK) is report and report.compile_seconds == 0.0
 
-
-
-def _lone_rows(sk):
-    """Two rows whose first (slot 0) ends early, so that the other runs alone in slot 1 (keys
-    gathered, a batch of one): a skipping row after a full-depth one, then the reverse."""
-    policy = sk.policy if sk.policy is not None and sk.policy.to_dict().get("type") != "full" else ADAPTER_POLICY
-    engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
-    for short, long_ in ((None, policy), (policy, None)):
-        engine.run([Request([5, 6, 7, 8], max_new_tokens=3, policy=short),
-                    Request([9, 10, 11], max_new_tokens=9, policy=long_)])
-
-
-def test_a_row_alone_in_a_later_slot_compiles_nothing_new(base_dir, decode_only_dir):  # noqa: F811
-    """A row left alone in slot 1 when the row in slot 0 ends (a server's everyday case), skipping
-    or at full depth, with a decode-only skip adapter (whose switch state is part of each compiled
-    variant: once a 1 s compile mid-serving): nothing new after ``warm_up``. (Without an adapter
-    the old warm-up already covered it; the adapter's switch makes the case that failed.)"""
-    from torch._dynamo.utils import counters
-
-    from skipdecode import load
-
-    torch._dynamo.reset()
-    counters.clear()
-    sk = load(str(base_dir), adapter=str(decode_only_dir))
-    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
-    assert report.enabled, report.error
-    after_warm = counters["stats"]["unique_graphs"]
-    _lone_rows(sk)
-    assert counters["stats"]["unique_graphs"] == after_warm
 
 
 @pytest.mark.slow  # about 25 s of compiling on 2 cores: the contrast to the test below

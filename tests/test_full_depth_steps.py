@@ -152,10 +152,12 @@ def test_compiled_layers_give_the_eager_tokens_with_full_depth_steps(base_dir, d
     assert report.enabled, report.error
 
 
-def _warmed_decode_only(base_dir, decode_only_dir):
+@pytest.fixture(scope="module")
+def warmed_decode_only(base_dir, decode_only_dir):  # noqa: F811
     """The tiny model with its decode-only adapter and the ``WARM`` schedule, compiled (aot_eager)
-    and warmed up at batch 1 and 2 after a dynamo reset: ``(sk, report, graphs)``, ``graphs()``
-    the count of compiled graphs so far."""
+    and warmed up at batch 1 and 2 after a dynamo reset, once for the tests below (each checks
+    only that its own traffic compiles nothing new): ``(sk, report, graphs)``, ``graphs()`` the
+    count of compiled graphs so far."""
     from torch._dynamo.utils import counters
 
     from skipdecode.compiled import compile_adapter, warm_up
@@ -168,7 +170,7 @@ def _warmed_decode_only(base_dir, decode_only_dir):
     return sk, report, lambda: counters["stats"]["unique_graphs"]
 
 
-def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(base_dir, decode_only_dir):  # noqa: F811
+def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(warmed_decode_only):
     """With a decode-only adapter and a schedule with full-depth first steps (the embedded
     model's shipped 2x), nothing compiles after :func:`warm_up`: static generations past the
     full-depth steps (a user's `generate --speedup 2 --compile` once recompiled inside its timed
@@ -178,7 +180,7 @@ def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(bas
     recompiled mid-load on such a batch)."""
     from skipdecode.engine import Engine, Request
 
-    sk, report, graphs = _warmed_decode_only(base_dir, decode_only_dir)
+    sk, report, graphs = warmed_decode_only
     after_warm = graphs()
     for B in (1, 2, 3):
         sk.generate([*PROMPTS, "name[Zizzi]"][:B], policy=WARM, max_new_tokens=N_NEW, chat=False)
@@ -191,5 +193,22 @@ def test_warm_up_compiles_the_full_depth_steps_and_the_switch_to_the_adapter(bas
         engine.step()
     while engine.busy:
         engine.step()
+    assert report.enabled, report.error
+    assert graphs() == after_warm
+
+
+def test_a_row_alone_in_a_later_slot_compiles_nothing_new(warmed_decode_only):
+    """A row left alone in slot 1 when the row in slot 0 ends (a server's everyday case), skipping
+    or at full depth, with a decode-only skip adapter (whose switch state is part of each compiled
+    variant: once a 1 s compile mid-serving): nothing new after ``warm_up``. Two rows, the first
+    ending early: a skipping row after a full-depth one, then the reverse."""
+    from skipdecode.engine import Engine, Request
+
+    sk, report, graphs = warmed_decode_only
+    after_warm = graphs()
+    engine = Engine(sk.adapter, max_batch_size=2, prefix_cache=False)
+    for short, long_ in ((None, WARM), (WARM, None)):  # the long row runs steps 3-8 alone, in slot 1
+        engine.run([Request([5, 6, 7, 8], max_new_tokens=3, policy=short),
+                    Request([9, 10, 11], max_new_tokens=9, policy=long_)])
     assert report.enabled, report.error
     assert graphs() == after_warm

@@ -130,6 +130,7 @@ def test_full_policy_unaffected_with_int4_and_no_adapter(base_dir):
     assert sk.generate([PROMPT], policy=FullPolicy(NUM_LAYERS), max_new_tokens=3).new_tokens[0] == 3
 
 
+@pytest.mark.slow  # about 25 s of compiling on 2 cores; int4 compiled: test_compiled.py, low-rank compiled: test_full_depth_steps.py
 def test_int4_with_unmerged_adapter_compiles_to_the_eager_result(base_dir, adapter_dir):
     """The compiled decode step (mode "layers", dynamo + aot_eager) traces the low-rank path."""
     from skipdecode.compiled import compile_adapter, warm_up
