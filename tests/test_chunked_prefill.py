@@ -127,9 +127,9 @@ def test_a_chunked_rows_prefill_seconds_run_from_its_admission_to_its_first_toke
     assert first.prefill_seconds > chunk_seconds[0] + 3 * 0.05  # its earlier chunks and the decode steps between
 
 
-@pytest.mark.parametrize("n, forwards", [(C, [C]), (C + 1, [C - 1, 2]), (2 * C + 1, [C, C - 1, 2]), (3 * C, [C, C, C])])
+@pytest.mark.parametrize("n, forwards", [(C, [C]), (C + 1, [C, 1]), (2 * C + 1, [C, C, 1]), (3 * C, [C, C, C])])
 def test_a_prompt_is_chunked_only_beyond_the_chunk(monkeypatch, n, forwards):
-    """Chunks of C, the last never of one token (one chunk gives a token back: C - 1 and 2)."""
+    """Chunks of C, the rest in the last (one token too: it runs as a one-token prefill)."""
     adapter = adapter_of("llama")
     req = Request(prompt(n, 7), 3)
     sizes = forward_sizes(monkeypatch)

@@ -1,5 +1,5 @@
 """What ``skipdecode serve --compile`` warms up compiles everything its traffic needs: after
-``warm_up`` a chunked prompt of kC + 1 tokens, a stored prefix plus one token and a wave sharing a
+``warm_up`` a chunked prompt of kC + 1 tokens (its last chunk of one token), a stored prefix plus one token and a wave sharing a
 prefix compile nothing new (a row alone in a later slot: tests/test_full_depth_steps.py); after the long-prompt warm-up
 (skipdecode.compile_warmup.warm_up_long_prompts), long prompts (attention scores past
 MAX_SCORES: SDPA's path), whole in batches, after a stored prefix and chunked, compile nothing
@@ -84,11 +84,13 @@ def warmed(tokenizer):
     return sk, report, lambda: counters["stats"]["unique_graphs"]
 
 
-def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(warmed, tokenizer):
+def test_a_chunked_prompt_ending_in_a_one_token_chunk_compiles_nothing_new(warmed, tokenizer):
     """A prompt one token longer than a whole number of chunks (17 tokens in chunks of 8) is
-    prefilled as 8 + 7 + 2: a last chunk of one token had a decode step's shape on the prompt's
-    own cache (its key length equal to the cache's size), a variant that compiled mid-serving.
-    After ``warm_up`` it compiles nothing, and its answer equals the whole prefill's (1e-5)."""
+    prefilled as 8 + 8 + 1. Its last chunk, one token on the prompt's own cache, once took a
+    decode step's variant (key length equal to the cache's size) and compiled mid-serving; on a
+    prefill cache (``SkipCache.prefill``) it runs as a one-token prefill, the variant of a stored
+    prefix and one token more. After ``warm_up`` it compiles nothing, and its answer equals the
+    whole prefill's (1e-5)."""
     from skipdecode.chunked_prefill import run_chunk, start_partial
 
     prompt = _ids(5, 17, 128)
@@ -99,7 +101,7 @@ def test_a_chunked_prompt_never_ends_in_a_one_token_chunk(warmed, tokenizer):
         before = part.done
         run_chunk(eager.adapter, part, 8, torch.device("cpu"))
         sizes.append(part.done - before)
-    assert sizes == [8, 7, 2]
+    assert sizes == [8, 8, 1]
     want = run_waves(Engine(eager.adapter, max_batch_size=2, keep_logits=True), [[prompt]])
     sk, _, graphs = warmed
     after_warm = graphs()

@@ -52,6 +52,10 @@ class SkipCache:
         num_layers: L (layers).
         capacity: positions to preallocate per layer (tokens); buffers grow (doubling) if a
             write would exceed it.
+        prefill: True for a prompt's cache (the in-flight engine's prefill batches, chunked
+            prefills, batches after stored prefixes): every call on it writes prompt tokens,
+            so a compiled layer call runs one token on it as a prefill, never as a decode step
+            (:mod:`skipdecode.compiled`).
 
     Buffers are created lazily on a layer's first write with shape (B, H_kv, capacity, D) and
     the key's dtype and device.
@@ -60,7 +64,7 @@ class SkipCache:
         ValueError: ``num_layers`` < 1 or ``capacity`` < 1.
     """
 
-    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, capacity: int = 256, prefill: bool = False) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if capacity < 1:
@@ -70,6 +74,7 @@ class SkipCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.lengths: list[int] = [0] * num_layers
+        self.prefill = prefill
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

@@ -106,16 +106,16 @@ def start_partial(adapter: Adapter, request: Any, slot: int, entry: PrefixEntry 
     when it left the waiting queue (``time.perf_counter()``, s)."""
     P = len(request.prompt_ids)
     if entry is None:
-        return PartialPrefill(request, slot, SkipCache(adapter.num_layers, capacity=P), 0, started=started)
+        return PartialPrefill(request, slot, SkipCache(adapter.num_layers, capacity=P, prefill=True), 0, started=started)
     return PartialPrefill(request, slot, prefix_skip_cache([entry], capacity=P), entry.length, cached=entry.length,
                           started=started)
 
 
 def run_chunk(adapter: Adapter, part: PartialPrefill, chunk_tokens: int, device: torch.device) -> torch.Tensor | None:
     """Run the next ``chunk_tokens`` (at most) of ``part``'s prompt at full depth on top of the
-    K/V it holds, appending theirs to its cache, and advance ``part.done``. One fewer when that
-    would leave a single token: a one-token chunk on a cache holding keys has a decode step's
-    shape, a compiled variant the warm-up does not run (it compiled mid-serving, stop 59).
+    K/V it holds, appending theirs to its cache, and advance ``part.done``. (A last chunk of one
+    token runs as a prefill of one token, since ``part.cache`` is a prefill cache: the variant of
+    a stored prefix and one token more, which the compile warm-up runs.)
 
     Returns:
         The (V,) logits of the prompt's last position when this chunk completed the prompt
@@ -127,10 +127,7 @@ def run_chunk(adapter: Adapter, part: PartialPrefill, chunk_tokens: int, device:
     if part.remaining < 1 or chunk_tokens < 1:
         raise ValueError(f"run_chunk needs prompt tokens left and chunk_tokens >= 1, got "
                          f"{part.remaining} left and chunk_tokens={chunk_tokens}")
-    take = min(chunk_tokens, part.remaining)
-    if part.remaining - take == 1 and take > 1:  # never leave a one-token last chunk
-        take -= 1
-    end = part.done + take
+    end = part.done + min(chunk_tokens, part.remaining)
     ids = torch.as_tensor([list(part.request.prompt_ids[part.done:end])], dtype=torch.long)
     mask = torch.ones((1, end), dtype=torch.long)  # one row, no padding: positions 0..end-1
     with base_prefill(adapter.model):  # a decode-only skip adapter is off in the prefill

@@ -313,11 +313,13 @@ def _layer_call(adapter: Adapter, backend: Any, report: CompileReport) -> Callab
             return call_layer(layer, hidden, attention_mask, cache, cache_kw, extra)
         layer_idx = index_of.get(id(layer))
         if hidden.shape[1] > 1 or (isinstance(cache, SkipCache) and layer_idx is not None
-                                   and cache.keys[layer_idx] is None):
-            # a prompt, of one token too (a decode write finds no buffers there, and the eager
-            # write it fell back to broke each layer's graph into four: 8 graphs, 1.7 s, mid-serving)
-            if attention_mask is None:  # a one-token prompt sees only itself: a mask allowing all
-                attention_mask = hidden.new_zeros(hidden.shape[0], 1, 1, 1)
+                                   and (cache.prefill or cache.keys[layer_idx] is None)):
+            # a prompt's tokens, one token too: on a prefill cache (a one-token chunk, a stored
+            # prefix and one token more) a decode write would take a decode step's variant, key
+            # length = the buffers' size, that compiled mid-serving; on an empty layer it finds no
+            # buffers, and the eager write it fell back to broke each layer's graph into four
+            if attention_mask is None:  # one token, no padding: it sees every key, itself included
+                attention_mask = hidden.new_zeros(hidden.shape[0], 1, 1, cache.lengths[layer_idx] + 1)
             return run_prefill(layer, hidden, attention_mask, cache, cache_kw, extra)
         # position ids arrive as a slice of a (B, K) tensor whose stride grows with K: make them
         # contiguous so that strides never trigger a recompile

@@ -374,7 +374,7 @@ class Engine:
             mask[i, C - p : C] = 1
             mask[i, C + S - lens[i] :] = 1
         if C == 0:
-            cache = SkipCache(self.adapter.num_layers, capacity=S)
+            cache = SkipCache(self.adapter.num_layers, capacity=S, prefill=True)
         else:
             cache = prefix_skip_cache(entries, capacity=C + S)
             for e in entries:

@@ -84,7 +84,8 @@ def prefix_skip_cache(entries: Sequence[PrefixEntry | None], capacity: int) -> S
     """A :class:`SkipCache` for one prefill batch whose rows start from different stored prefixes:
     row i holds ``entries[i]``'s K/V (p_i tokens; None: p_i = 0) right-aligned in the first
     C = max p_i columns, columns ``C - p_i : C`` (the columns before are left padding, zeros),
-    in every layer; lengths C, buffers (B, H_kv, ``capacity``, D). Rows that share an entry
+    in every layer; lengths C, buffers (B, H_kv, ``capacity``, D); a prefill cache
+    (``SkipCache.prefill``). Rows that share an entry
     share its values (one read each). The prefill then runs each row's own tokens after column C
     with a mask ``[0]*(C - p_i) + [1]*p_i + [0]*pad + [1]*s_i``: positions come from the mask,
     so a row's own tokens continue from p_i whatever its neighbours hold.
@@ -98,7 +99,7 @@ def prefix_skip_cache(entries: Sequence[PrefixEntry | None], capacity: int) -> S
     C = max(e.length for e in stored)
     if capacity < C:
         raise ValueError(f"prefix_skip_cache needs capacity >= {C} (the longest prefix), got {capacity}")
-    cache = SkipCache(len(stored[0].keys), capacity=capacity)
+    cache = SkipCache(len(stored[0].keys), capacity=capacity, prefill=True)
     for layer in range(len(stored[0].keys)):
         k0, v0 = stored[0].keys[layer], stored[0].values[layer]
         k_buf = k0.new_zeros((len(entries), k0.shape[0], capacity, k0.shape[-1]))
