@@ -84,6 +84,24 @@ def warmed(tokenizer):
     return sk, report, lambda: counters["stats"]["unique_graphs"]
 
 
+def _equal_to_eager_compiling_nothing(warmed, tokenizer, waves, cached=None, **engine_kw):
+    """Run ``waves`` (lists of prompts, each wave to completion; :func:`run_waves`) on an eager
+    4-layer llama and on the ``warmed`` compiled one: the compiled run compiles no new graph, its
+    tokens equal eager's and its first logits to 1e-5, and (``cached``) its prefix cache reused
+    that many prompt tokens."""
+    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    want = run_waves(Engine(eager.adapter, keep_logits=True, **engine_kw), waves)
+    sk, _, graphs = warmed
+    after_warm = graphs()
+    engine = Engine(sk.adapter, keep_logits=True, **engine_kw)
+    got = run_waves(engine, waves)
+    if cached is not None:
+        assert engine.prefix_cache.stats()["cached_prompt_tokens"] == cached
+    assert graphs() == after_warm
+    for (toks, logits), (want_toks, want_logits) in zip(got, want):
+        assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5
+
+
 def test_a_chunked_prompt_ending_in_a_one_token_chunk_compiles_nothing_new(warmed, tokenizer):
     """A prompt one token longer than a whole number of chunks (17 tokens in chunks of 8) is
     prefilled as 8 + 8 + 1. Its last chunk, one token on the prompt's own cache, once took a
@@ -102,13 +120,7 @@ def test_a_chunked_prompt_ending_in_a_one_token_chunk_compiles_nothing_new(warme
         run_chunk(eager.adapter, part, 8, torch.device("cpu"))
         sizes.append(part.done - before)
     assert sizes == [8, 8, 1]
-    want = run_waves(Engine(eager.adapter, max_batch_size=2, keep_logits=True), [[prompt]])
-    sk, _, graphs = warmed
-    after_warm = graphs()
-    got = run_waves(Engine(sk.adapter, max_batch_size=2, keep_logits=True, prefill_chunk_tokens=8), [[prompt]])
-    assert graphs() == after_warm
-    assert got[0][0] == want[0][0] and (got[0][1] - want[0][1]).abs().max().item() <= 1e-5
-
+    _equal_to_eager_compiling_nothing(warmed, tokenizer, [[prompt]], max_batch_size=2, prefill_chunk_tokens=8)
 
 
 def test_one_token_after_a_stored_prefix_compiles_nothing_new(warmed, tokenizer):
@@ -118,16 +130,8 @@ def test_one_token_after_a_stored_prefix_compiles_nothing_new(warmed, tokenizer)
     the eager engine's (1e-5)."""
     shared = _ids(11, 16, 128)
     waves = [[shared + [3, 4, 5], shared + [6, 7]], [shared + [8]], [shared + [9], shared + [10]]]
-    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    want = run_waves(Engine(eager.adapter, max_batch_size=4, keep_logits=True), waves)
-    sk, _, graphs = warmed
-    after_warm = graphs()
-    engine = Engine(sk.adapter, max_batch_size=4, keep_logits=True)
-    got = run_waves(engine, waves)
-    assert engine.prefix_cache.stats()["cached_prompt_tokens"] == 3 * 16  # the last three ran one token each
-    assert graphs() == after_warm
-    for (toks, logits), (want_toks, want_logits) in zip(got, want):
-        assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5
+    # the last three run one token each on the stored 16
+    _equal_to_eager_compiling_nothing(warmed, tokenizer, waves, cached=3 * 16, max_batch_size=4)
 
 
 def test_a_wave_sharing_a_prefix_compiles_nothing_new(warmed, tokenizer):
@@ -136,16 +140,8 @@ def test_a_wave_sharing_a_prefix_compiles_nothing_new(warmed, tokenizer):
     answers equal to the eager engine's (1e-5)."""
     shared = _ids(21, 24, VOCAB)
     waves = [[shared + _ids(22 + k, 3 + k, VOCAB) for k in range(4)]]
-    eager = SkipModel(make_model("llama", num_layers=4), tokenizer)
-    want = run_waves(Engine(eager.adapter, max_batch_size=4, keep_logits=True), waves)
-    sk, _, graphs = warmed
-    after_warm = graphs()
-    engine = Engine(sk.adapter, max_batch_size=4, keep_logits=True)
-    got = run_waves(engine, waves)
-    assert engine.prefix_cache.stats()["cached_prompt_tokens"] == 4 * 24  # the prefix ran once, first
-    assert graphs() == after_warm
-    for (toks, logits), (want_toks, want_logits) in zip(got, want):
-        assert toks == want_toks and (logits - want_logits).abs().max().item() <= 1e-5
+    # the prefix ran once, first: each of the four reused its 24 tokens
+    _equal_to_eager_compiling_nothing(warmed, tokenizer, waves, cached=4 * 24, max_batch_size=4)
 
 
 def test_health_reports_graphs_compiled_after_the_server_started(warmed, tokenizer):
