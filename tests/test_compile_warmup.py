@@ -69,6 +69,26 @@ def test_long_prompts_compile_new_graphs_without_the_long_warm_up(tokenizer):
     assert counters["stats"]["unique_graphs"] > after_warm
 
 
+def test_later_chunks_past_the_score_bound_compile_nothing_new(tokenizer):
+    """Chunks of 80 tokens: the first two stay under MAX_SCORES (80 x 160 scores), the third takes
+    SDPA after the prompt's own history (80 x 240), a variant of its own as a middle chunk and
+    another as the last one (its keys filling the prompt's buffer): a user's check found 2 graphs,
+    1.9 s, mid-serving, for prompts of 5 chunks of 64. After ``warm_up`` and the long warm-up for
+    chunks of 80 (prompts of 3 x 80 + 5 and 3 x 80 tokens), prompts of 239 (a last chunk of 79 on
+    SDPA), 247 (a middle one) and 241 tokens (then one token) compile nothing new and answer as
+    eager does (1e-5). (The former warm-up, one prompt of 2C + 5 tokens, compiled on them.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    sk = SkipModel(make_model("llama", num_layers=4), tokenizer)
+    report = warm_up(sk, compile_adapter(sk.adapter, backend="aot_eager"), (1, 2))
+    warm_up_long_prompts(sk, report, 80)
+    waves = [[_ids(31, 239, VOCAB)], [_ids(32, 247, VOCAB)], [_ids(33, 241, VOCAB)]]
+    _equal_to_eager_compiling_nothing((sk, report, lambda: counters["stats"]["unique_graphs"]), tokenizer,
+                                      waves, max_batch_size=2, prefill_chunk_tokens=80)
+
+
 @pytest.fixture(scope="module")
 def warmed(tokenizer):
     """A 4-layer llama, compiled (aot_eager) after a dynamo reset and warmed up at batch 1 and 2

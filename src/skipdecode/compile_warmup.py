@@ -148,10 +148,13 @@ def warm_up_long_prompts(sk, report: CompileReport, prefill_chunk_tokens: int = 
     SDPA instead of the grouped products (:func:`~skipdecode.decode_attention.grouped_decode_attention`),
     a graph of its own per batch (one row, several) and per key length (equal to the prompt's, or
     longer after a stored prefix); and, with chunked prefill (``prefill_chunk_tokens`` C > 0,
-    :mod:`skipdecode.chunked_prefill`), a prompt's first chunk and its later ones. Runs in-flight
-    prefills of prompts of ``isqrt(MAX_SCORES) + 2`` new tokens (130): two distinct ones from an
-    empty cache, two after a stored 16-token prefix, one of each alone; with C > 0 one prompt of
-    2C + 5 tokens (at most the model's context), chunked. ``skipdecode serve --compile`` runs it at start-up (about 2-4 s of
+    :mod:`skipdecode.chunked_prefill`), a prompt's first chunk and its later ones, on either
+    side of the bound. Runs in-flight prefills of prompts of ``isqrt(MAX_SCORES) + 2`` new tokens
+    (130): two distinct ones from an empty cache, two after a stored 16-token prefix, one of each
+    alone; with C > 0 prompts of kC + 5 and of kC tokens (at most the model's context), chunked,
+    with k the first chunk whose C x kC scores pass MAX_SCORES, at least 2 (chunks of 64: k = 5;
+    256: k = 2; 2 when no prompt the model holds gets that far): chunk k runs on SDPA once with
+    keys short of the prompt's buffer and once filling it, two variants. ``skipdecode serve --compile`` runs it at start-up (about 2-4 s of
     compiling with a warm inductor cache on the embedded model): the first long prompt would
     otherwise stop every stream for 4-6 s while it compiles. Adds the seconds to
     ``report.compile_seconds``.
@@ -183,7 +186,13 @@ def warm_up_long_prompts(sk, report: CompileReport, prefill_chunk_tokens: int = 
              [tokens(6, n + 16)], [shared + tokens(7, n)])  # one of each alone
     longest = (sk.adapter.max_positions or math.inf) - 1  # prompt + 2 new tokens - 1 positions
     if prefill_chunk_tokens:
-        waves += ([tokens(8, min(2 * prefill_chunk_tokens + 5, longest))],)
+        C = prefill_chunk_tokens
+        # chunk k sees kC keys: the first whose C x kC scores pass MAX_SCORES takes SDPA after the
+        # prompt's own history (chunks of 64: the fifth, a user's check), as a middle chunk (its
+        # keys short of the prompt's buffer) and as the last one (keys filling it): two variants
+        k = max(2, MAX_SCORES // (C * C) + 1)
+        k = k if k * C <= longest else 2
+        waves += ([tokens(8, min(k * C + 5, longest))], [tokens(9, min(k * C, longest))])
     for wave in waves:  # (prompts the model cannot hold are left out: nor can a server's)
         engine.run([Request(p, max_new_tokens=2) for p in wave if len(p) <= longest])
     report.compile_seconds += time.perf_counter() - start
