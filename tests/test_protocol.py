@@ -140,6 +140,14 @@ def test_bad_prompts_name_the_prompt(client, prompt, param, words):
     assert_400(post(client, "/v1/completions", {"prompt": prompt}), param, *words)
 
 
+def test_an_empty_token_list_on_completions_is_named_without_chat_messages(client):
+    """Completions take strings and token ids only: an empty row's message offers those (a
+    user's check found it offering chat messages, which only /v1/chat/completions takes)."""
+    r = post(client, "/v1/completions", {"prompt": [[]]})
+    assert_400(r, "prompt[0]", "non-empty list of token ids")
+    assert "chat" not in r.json()["error"]["message"]
+
+
 # --------------------------------------------------------------- OpenAI fields, their meaning
 def test_every_field_of_the_openai_types_is_handled():
     """Each field of the official client's request types is supported, ignored or refused here."""

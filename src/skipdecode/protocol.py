@@ -443,6 +443,9 @@ def _text_prompts(req: CompletionRequest, tokenizer: Any) -> list[list[int]]:
         return [_encode(tokenizer, prompt, chat=False, where="prompt", param=None)]
     if not prompt:
         raise bad("prompt", "must hold at least one prompt (a string, strings, token ids or token-id lists)")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and not p:  # (the library's message would offer chat messages too)
+            raise bad(f"prompt[{i}]", "must be a non-empty string or a non-empty list of token ids, got []")
     return [_encode(tokenizer, p, chat=False, where=f"prompt[{i}]", param=None) for i, p in enumerate(prompt)]
 
 
