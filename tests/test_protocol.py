@@ -134,7 +134,11 @@ def test_token_id_prompts_are_used_as_given(client, sk):
     [([5, 9999], "prompt[1]", ["token id", "9999"]), ([[5], [-1]], "prompt[1][0]", ["token id"]),
      ([999999], "prompt[0]", []), ([[5, 6], [7, 999999]], "prompt[1][1]", []), ("", "prompt", []),
      ([], "prompt", ["at least one"]), ([[5], []], "prompt[1]", ["non-empty"]),
-     (["ok", " "], "prompt[1]", ["non-empty"])],
+     (["ok", " "], "prompt[1]", ["non-empty"]),
+     # wrong types: the error of the alternative that got furthest (a user's check: [[1.5]] named
+     # `prompt` with every alternative's message)
+     ([[1.5]], "prompt[0][0]", ["valid integer", "got 1.5"]), ([[5, [6]]], "prompt[0][1]", ["valid integer"]),
+     ([1.5], "prompt[0]", ["valid string", "valid integer", "got 1.5"]), (3, "prompt", ["valid string", "got 3"])],
 )
 def test_bad_prompts_name_the_prompt(client, prompt, param, words):
     assert_400(post(client, "/v1/completions", {"prompt": prompt}), param, *words)
@@ -305,7 +309,7 @@ def test_n_above_the_limit_is_refused(client):
         ({"max_tokens": 0}, "max_tokens", []),
         ({"max_tokens": 2.0}, "max_tokens", ["integer"]),
         ({"n": 0}, "n", []),
-        ({"stop": [1]}, "stop", []),
+        ({"stop": [1]}, "stop[0]", ["valid string", "got 1"]),  # the list alternative got furthest
         ({"speedup": "fast"}, "speedup", []),
         ({"speedup": 100}, "speedup", ["<="]),
         ({"max_layers": 99}, "max_layers", ["[1, 6]"]),

@@ -305,6 +305,33 @@ def _loc_path(loc: Sequence[Union[str, int]]) -> str:
     return path
 
 
+def _branch(loc: Sequence[Union[str, int]]) -> Optional[tuple[tuple[Union[str, int], ...], str, int]]:
+    """(where, tag, depth) of an error inside a union's alternative (``prompt.list[list[int]].0.0``:
+    ``(("body", "prompt"), "list[list[int]]", 2)``), or None outside any union."""
+    for i, part in enumerate(loc):
+        if i and isinstance(part, str) and part not in FIELD_NAMES:
+            return tuple(loc[:i]), part, len(loc) - i - 1
+    return None
+
+
+def _likeliest_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``errors`` without those of a union's alternatives that failed sooner than another: for a
+    value that fails every alternative, the ones that got deepest into it (``[[1.5]]`` as a
+    prompt fails as a string at the top, as a list of strings or ids at ``[0]``, as a list of id
+    lists at ``[0][0]``: only the last is the user's likely intent). Errors outside unions stay."""
+    deepest: dict[tuple, int] = {}
+    for e in errors:
+        b = _branch(e.get("loc", ()))
+        if b is not None:
+            deepest[b[0]] = max(deepest.get(b[0], 0), b[2])
+    reached: dict[tuple, int] = {}  # (where, tag) -> the deepest depth its errors reached
+    for e in errors:
+        b = _branch(e.get("loc", ()))
+        if b is not None:
+            reached[b[:2]] = max(reached.get(b[:2], 0), b[2])
+    return [e for e in errors if (b := _branch(e.get("loc", ()))) is None or reached[b[:2]] == deepest[b[0]]]
+
+
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
     """(message, param) for FastAPI's request validation ``errors`` (pydantic error dicts).
 
@@ -319,7 +346,7 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
             return f"the request body is not valid JSON ({reason}{where})", None
     by_path: dict[str, list[str]] = {}
     got: dict[str, str] = {}
-    for e in errors:
+    for e in _likeliest_branches(errors):
         path = _loc_path(e.get("loc", ()))
         msgs = by_path.setdefault(path, [])
         if e.get("msg", "invalid value") not in msgs:
