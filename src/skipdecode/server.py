@@ -59,8 +59,8 @@ from .protocol import (
     error_body,
     unknown_model,
     validate_request,
-    validation_message,
 )
+from .validation_errors import validation_message
 from .compile_warmup import compiled_graphs
 from .scheduler import QueueFull, Scheduler
 from .server_metrics import RequestTimer, ServerMetrics

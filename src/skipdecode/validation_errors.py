@@ -1,0 +1,88 @@
+"""The message and ``param`` of a request that fails the request models' own checks (pydantic's
+errors as FastAPI hands them over), in OpenAI's error shape: one line that names each field by its
+path (``messages[0].content``, ``prompt[0][0]``) and what it allows, for the server's 400s
+(:func:`skipdecode.server` registers it for ``RequestValidationError``). The checks past the
+models (token ids, lengths, policies) are :func:`skipdecode.protocol.validate_request`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart, StreamOptions
+
+__all__ = ["FIELD_NAMES", "validation_message"]
+
+FIELD_NAMES = frozenset(
+    name for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)
+    for name in cls.model_fields
+)
+
+
+def _loc_path(loc: Sequence[Union[str, int]]) -> str:
+    """A pydantic error ``loc`` as a field path (``messages[0].role``; "" for the whole body).
+
+    The ``body`` prefix and the union-member tags pydantic inserts (``prompt.str``,
+    ``stop.list[str]``: any name that is no request field) are left out.
+    """
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
+    path = ""
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in FIELD_NAMES:
+            path += f".{part}" if path else part
+    return path
+
+
+def _branch(loc: Sequence[Union[str, int]]) -> Optional[tuple[tuple[Union[str, int], ...], str, int]]:
+    """(where, tag, depth) of an error inside a union's alternative (``prompt.list[list[int]].0.0``:
+    ``(("body", "prompt"), "list[list[int]]", 2)``), or None outside any union."""
+    for i, part in enumerate(loc):
+        if i and isinstance(part, str) and part not in FIELD_NAMES:
+            return tuple(loc[:i]), part, len(loc) - i - 1
+    return None
+
+
+def _likeliest_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``errors`` without those of a union's alternatives that failed sooner than another: for a
+    value that fails every alternative, the ones that got deepest into it (``[[1.5]]`` as a
+    prompt fails as a string at the top, as a list of strings or ids at ``[0]``, as a list of id
+    lists at ``[0][0]``: only the last is the user's likely intent). Errors outside unions stay."""
+    deepest: dict[tuple, int] = {}
+    for e in errors:
+        b = _branch(e.get("loc", ()))
+        if b is not None:
+            deepest[b[0]] = max(deepest.get(b[0], 0), b[2])
+    reached: dict[tuple, int] = {}  # (where, tag) -> the deepest depth its errors reached
+    for e in errors:
+        b = _branch(e.get("loc", ()))
+        if b is not None:
+            reached[b[:2]] = max(reached.get(b[:2], 0), b[2])
+    return [e for e in errors if (b := _branch(e.get("loc", ()))) is None or reached[b[:2]] == deepest[b[0]]]
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
+    """(message, param) for FastAPI's request validation ``errors`` (pydantic error dicts).
+
+    The message is ``"<field>: <pydantic msg>"`` per field (a union's alternatives joined by
+    " or "), fields joined by "; "; ``param`` is the first error's field path, or None for a body
+    that is not valid JSON or not a JSON object.
+    """
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            reason = (e.get("ctx") or {}).get("error", "")
+            where = f" at character {e['loc'][-1]}" if isinstance(e["loc"][-1], int) else ""
+            return f"the request body is not valid JSON ({reason}{where})", None
+    by_path: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
+    for e in _likeliest_branches(errors):
+        path = _loc_path(e.get("loc", ()))
+        msgs = by_path.setdefault(path, [])
+        if e.get("msg", "invalid value") not in msgs:
+            msgs.append(e.get("msg", "invalid value"))
+        value = e.get("input")
+        if e.get("type") != "missing" and isinstance(value, (bool, int, float, str)) and len(repr(value)) <= 60:
+            got.setdefault(path, f" (got {value!r})")
+    message = "; ".join(f"{path or 'body'}: {' or '.join(msgs)}{got.get(path, '')}" for path, msgs in by_path.items())
+    return message or "invalid request", next((path for path in by_path if path), None)
