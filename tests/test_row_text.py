@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from conftest import CORPUS, make_tokenizer
-from skipdecode.row_text import CONTEXT_TOKENS, IncrementalText, RowText
+from skipdecode.row_text import CONTEXT_TOKENS, FULL_DECODE_IDS, IncrementalText, RowText
 
 EOS = 2  # conftest tokenizer: </s>
 
@@ -75,7 +75,9 @@ def test_a_character_split_across_tokens_is_held_until_complete():
     euro = [tid for tid in (tok.convert_tokens_to_ids(t) for t in tok.tokenize("€")) if tid is not None]
     assert len(byte_ids) > 200 and len(euro) >= 2  # € (3 bytes) is not one token of this vocabulary
     inc = IncrementalText(tok)
-    inc.add(tok("ab")["input_ids"][0])
+    filler = tok("The Eagle is a coffee shop by the riverside. " * 20)["input_ids"][: FULL_DECODE_IDS + 3]
+    for token in filler:  # past the whole decodes of a short row: the incremental path holds it
+        inc.add(token)
     for i, token in enumerate(euro):
         text = inc.add(token)
         assert text == tok.decode(inc.ids, skip_special_tokens=True)
@@ -85,16 +87,17 @@ def test_a_character_split_across_tokens_is_held_until_complete():
 
 @pytest.mark.parametrize("n", [64, 512])
 def test_the_decoding_work_of_a_row_is_linear_in_its_tokens(n):
-    """Each token decodes at most CONTEXT_TOKENS + a few ids twice (its window and the window's
-    context), and the final token one full decode: the old RowText decoded every id at every
-    token, n (n + 1) / 2 in all (131,328 ids at 512 tokens, against at most about 6,600 now)."""
+    """Past the first FULL_DECODE_IDS tokens (decoded whole: cheaper there), each token decodes
+    at most CONTEXT_TOKENS + a few ids twice (its window and the window's context), and the final
+    token one full decode: the old RowText decoded every id at every token, n (n + 1) / 2 in all
+    (131,328 ids at 512 tokens, against at most about 7,800 now)."""
     tok = CountingTokenizer(make_tokenizer())
     ids = texts_of(tok.tok, n, 5, "The Eagle is a coffee shop by the riverside. " * 40)
     row = RowText(tok, [EOS], ends_at_eos=False)
     for i, token in enumerate(ids):
         row.push(token, i == n - 1)
     assert row.text == tok.tok.decode([t for t in ids if t != EOS], skip_special_tokens=True)
-    assert tok.decoded <= 2 * (CONTEXT_TOKENS + 4) * n + n
+    assert tok.decoded <= 2 * (CONTEXT_TOKENS + 4) * n + n + FULL_DECODE_IDS * (FULL_DECODE_IDS + 1) / 2
     assert n < 256 or tok.decoded < n * (n + 1) / 2 / 10  # the old work, quadratic
 
 
@@ -103,12 +106,13 @@ def test_stop_strings_are_found_from_the_incremental_text_and_confirmed():
     that completes a stop string, as one decode of the ids would, and not before; reading the
     ids incrementally costs linear work; a different id list starts over."""
     tok = CountingTokenizer(make_tokenizer())
-    ids = tok.tok("The Eagle is a coffee shop by the riverside. It serves food.")["input_ids"]
+    ids = tok.tok("The Eagle is a coffee shop with food. " * 12 + "It is by the riverside. It serves food.")["input_ids"]
     row = RowText(tok, [EOS], stop=["riverside"])
     first = next(k for k in range(1, len(ids) + 1) if "riverside" in tok.tok.decode(ids[:k]))
+    assert first > FULL_DECODE_IDS + CONTEXT_TOKENS  # found on the incremental path
     answers = [row.stopped(ids[:k]) for k in range(1, first + 1)]
     assert answers == [False] * (first - 1) + [True] and row.reason == "stop"
-    assert tok.decoded < 2 * (CONTEXT_TOKENS + 4) * first + first + 1
+    assert tok.decoded < 2 * (CONTEXT_TOKENS + 4) * first + first + 1 + FULL_DECODE_IDS * (FULL_DECODE_IDS + 1) / 2
     other = RowText(tok, [EOS], stop=["coffee"])
     assert other.stopped(ids) is True  # the whole list at once
     assert other.stopped(tok.tok("No match here")["input_ids"]) is False  # another row: starts over
