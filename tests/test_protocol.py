@@ -138,7 +138,10 @@ def test_token_id_prompts_are_used_as_given(client, sk):
      # wrong types: the error of the alternative that got furthest (a user's check: [[1.5]] named
      # `prompt` with every alternative's message)
      ([[1.5]], "prompt[0][0]", ["valid integer", "got 1.5"]), ([[5, [6]]], "prompt[0][1]", ["valid integer"]),
-     ([1.5], "prompt[0]", ["valid string", "valid integer", "got 1.5"]), (3, "prompt", ["valid string", "got 3"])],
+     ([1.5], "prompt[0]", ["valid string or a valid integer or a valid list (got 1.5)"]),
+     (3, "prompt", ["Input should be a valid string or a valid list (got 3)"]),
+     # the alternative that failed at the later item: ids at [1], not strings at [0]
+     ([1, "a"], "prompt[1]", ["valid integer (got 'a')"]), (["a", 2], "prompt[1]", ["valid string (got 2)"])],
 )
 def test_bad_prompts_name_the_prompt(client, prompt, param, words):
     assert_400(post(client, "/v1/completions", {"prompt": prompt}), param, *words)
@@ -310,6 +313,7 @@ def test_n_above_the_limit_is_refused(client):
         ({"max_tokens": 2.0}, "max_tokens", ["integer"]),
         ({"n": 0}, "n", []),
         ({"stop": [1]}, "stop[0]", ["valid string", "got 1"]),  # the list alternative got furthest
+        ({"stop": ["a", None]}, "stop[1]", ["valid string (got null)"]),
         ({"speedup": "fast"}, "speedup", []),
         ({"speedup": 100}, "speedup", ["<="]),
         ({"max_layers": 99}, "max_layers", ["[1, 6]"]),

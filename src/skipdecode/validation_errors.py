@@ -35,31 +35,42 @@ def _loc_path(loc: Sequence[Union[str, int]]) -> str:
     return path
 
 
-def _branch(loc: Sequence[Union[str, int]]) -> Optional[tuple[tuple[Union[str, int], ...], str, int]]:
-    """(where, tag, depth) of an error inside a union's alternative (``prompt.list[list[int]].0.0``:
-    ``(("body", "prompt"), "list[list[int]]", 2)``), or None outside any union."""
+def _branch(loc: Sequence[Union[str, int]]) -> Optional[tuple[tuple[Union[str, int], ...], str, tuple[int, ...]]]:
+    """(where, tag, progress) of an error inside a union's alternative, or None outside any
+    union. ``progress`` is the location inside the alternative with list indices kept and field
+    names counted as 0 (``prompt.list[list[int]].0.0``: ``(("body", "prompt"), "list[list[int]]",
+    (0, 0))``), so that comparing two tuples tells which error lies further into the value: a
+    later list item, or deeper into the same one."""
     for i, part in enumerate(loc):
         if i and isinstance(part, str) and part not in FIELD_NAMES:
-            return tuple(loc[:i]), part, len(loc) - i - 1
+            return tuple(loc[:i]), part, tuple(p if isinstance(p, int) else 0 for p in loc[i + 1 :])
     return None
 
 
 def _likeliest_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """``errors`` without those of a union's alternatives that failed sooner than another: for a
-    value that fails every alternative, the ones that got deepest into it (``[[1.5]]`` as a
-    prompt fails as a string at the top, as a list of strings or ids at ``[0]``, as a list of id
-    lists at ``[0][0]``: only the last is the user's likely intent). Errors outside unions stay."""
-    deepest: dict[tuple, int] = {}
+    value that fails every alternative, the ones whose first error lies furthest into it. As a
+    prompt, ``[[1.5]]`` fails as a string at the top, as a list of strings or ids at ``[0]`` and as
+    a list of id lists at ``[0][0]``; ``[1, "a"]`` fails as strings at ``[0]`` and as ids at
+    ``[1]``: the last is the user's likely intent. Ties keep every alternative; errors outside
+    unions stay."""
+    first: dict[tuple, tuple[int, ...]] = {}  # (where, tag) -> where that alternative first failed
     for e in errors:
         b = _branch(e.get("loc", ()))
-        if b is not None:
-            deepest[b[0]] = max(deepest.get(b[0], 0), b[2])
-    reached: dict[tuple, int] = {}  # (where, tag) -> the deepest depth its errors reached
-    for e in errors:
-        b = _branch(e.get("loc", ()))
-        if b is not None:
-            reached[b[:2]] = max(reached.get(b[:2], 0), b[2])
-    return [e for e in errors if (b := _branch(e.get("loc", ()))) is None or reached[b[:2]] == deepest[b[0]]]
+        if b is not None and (b[:2] not in first or b[2] < first[b[:2]]):
+            first[b[:2]] = b[2]
+    furthest: dict[tuple, tuple[int, ...]] = {}
+    for (where, _), progress in first.items():
+        furthest[where] = max(furthest.get(where, progress), progress)
+    return [e for e in errors if (b := _branch(e.get("loc", ()))) is None or first[b[:2]] == furthest[b[0]]]
+
+
+def _alternatives(msgs: list[str]) -> str:
+    """A field's messages joined by " or ", their common "Input should be " said once."""
+    lead = "Input should be "
+    if len(msgs) > 1 and all(m.startswith(lead) for m in msgs):
+        return lead + " or ".join(m[len(lead) :] for m in msgs)
+    return " or ".join(msgs)
 
 
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
@@ -82,7 +93,9 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
         if e.get("msg", "invalid value") not in msgs:
             msgs.append(e.get("msg", "invalid value"))
         value = e.get("input")
-        if e.get("type") != "missing" and isinstance(value, (bool, int, float, str)) and len(repr(value)) <= 60:
+        if e.get("type") != "missing" and value is None:
+            got.setdefault(path, " (got null)")
+        elif e.get("type") != "missing" and isinstance(value, (bool, int, float, str)) and len(repr(value)) <= 60:
             got.setdefault(path, f" (got {value!r})")
-    message = "; ".join(f"{path or 'body'}: {' or '.join(msgs)}{got.get(path, '')}" for path, msgs in by_path.items())
+    message = "; ".join(f"{path or 'body'}: {_alternatives(msgs)}{got.get(path, '')}" for path, msgs in by_path.items())
     return message or "invalid request", next((path for path in by_path if path), None)
