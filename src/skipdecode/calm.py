@@ -37,6 +37,7 @@ from .lowrank import base_prefill
 from .forward import positions_from_mask, skip_forward, step_masks
 from .generate import GenerationResult, _eos_ids, encode_prompts
 from .limits import check_stop
+from .row_text import RowText
 
 __all__ = ["CalmConfig", "CalmResult", "calm_generate", "calm_generate_ids"]
 
@@ -337,12 +338,9 @@ def calm_generate(
     def text_of(ids: list[int]) -> str:
         return tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
 
-    def stop_fn(ids: list[int]) -> bool:
-        return any(s in text_of(ids) for s in stop)
-
-    out = calm_generate_ids(
+    out = calm_generate_ids(  # the stop check reads the ids incrementally (RowText.stopped)
         adapter, input_ids, attention_mask, config, max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids, stop_fn=stop_fn if stop else None,
+        eos_token_ids=eos_token_ids, stop_fn=RowText(tokenizer, eos_token_ids, stop).stopped if stop else None,
     )
     text = text_of(out["token_ids"])
     if out["finish_reason"] == "stop":
