@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from conftest import make_model, make_tokenizer
 from skipdecode import get_adapter
 from skipdecode.engine import Engine, Request
-from skipdecode.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs, token_bytes, token_logprobs
+from skipdecode.logprobs import MAX_LOGPROBS, TextOffsets, chat_logprobs, completion_logprobs, token_bytes, token_logprobs
 from skipdecode.model import SkipModel
 from skipdecode.policy import LinearDecayPolicy
 from skipdecode.server import create_app
@@ -60,6 +60,12 @@ def test_token_bytes_rebuild_text_whose_characters_span_tokens():
     assert out["text_offset"][-1] < len(text) and out["text_offset"] == sorted(out["text_offset"])
     later = completion_logprobs(entries[3:], tok, b"".join(raw[:3]))  # a stream's later chunk
     assert later["text_offset"] == out["text_offset"][3:]
+    # a stream carries TextOffsets from chunk to chunk, each chunk reading only its own bytes:
+    # cut anywhere (inside a character too), the chunks' offsets are the whole row's
+    for cut in range(1, len(ids)):
+        carried = TextOffsets()
+        first = completion_logprobs(entries[:cut], tok, carried)["text_offset"]
+        assert first + completion_logprobs(entries[cut:], tok, carried)["text_offset"] == out["text_offset"]
     # the chosen token always appears among the alternatives (OpenAI: up to n + 1 entries)
     assert all(out["tokens"][k] in out["top_logprobs"][k] for k in range(len(ids)))
     chat = chat_logprobs(entries, tok)["content"]

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs",
-           "token_bytes", "completion_logprobs", "chat_logprobs", "logprobs_record"]
+           "token_bytes", "TextOffsets", "completion_logprobs", "chat_logprobs", "logprobs_record"]
 
 #: Most alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``), OpenAI's
 #: chat limit (0-20) and vLLM's default ``max_logprobs``.
@@ -152,22 +152,41 @@ def _text(tokenizer: Any, token: int) -> str:
     return token_bytes(tokenizer, token).decode("utf-8", errors="replace")
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before: bytes = b"") -> dict[str, Any]:
+class TextOffsets:
+    """Where a row's next token starts in its text (characters), carried from chunk to chunk of
+    a stream: the characters its earlier tokens' bytes complete, an invalid byte sequence as one
+    U+FFFD each, through Python's incremental UTF-8 decoder (``errors="replace"``), which holds
+    back a character's first bytes until it is complete, as the text's decoding does. Each chunk
+    reads only its own tokens' bytes (a stream that kept the row's bytes and decoded them again at
+    every event did O(n) work an event).
+
+    Attributes:
+        chars: characters completed so far.
+    """
+
+    def __init__(self, before: bytes = b"") -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = len(self._decoder.decode(before))
+
+    def advance(self, raw: Sequence[bytes]) -> list[int]:
+        """The offsets of tokens with bytes ``raw`` (each before its own bytes), in order; the
+        state moves past them."""
+        offsets = []
+        for b in raw:
+            offsets.append(self.chars)
+            self.chars += len(self._decoder.decode(b))
+        return offsets
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before: bytes | TextOffsets = b"") -> dict[str, Any]:
     """The ``logprobs`` object of a ``/v1/completions`` choice (or chunk) for ``entries``.
 
-    ``text_offset``: the characters of the text before each token, from the bytes of the tokens
-    before it (``before``: the bytes of the row's earlier tokens, for a stream's later chunks),
-    counting the characters they complete, an invalid byte sequence as one U+FFFD each (Python's
-    incremental UTF-8 decoder with ``errors="replace"``)."""
+    ``text_offset``: the characters of the text before each token (:class:`TextOffsets`).
+    ``before``: the bytes of the row's earlier tokens, or a stream's :class:`TextOffsets` for the
+    row, which this call advances past ``entries``."""
     raw = [token_bytes(tokenizer, e.token) for e in entries]
     tokens = [b.decode("utf-8", errors="replace") for b in raw]
-    # an incremental decoder holds back a character's first bytes until it is complete and turns
-    # invalid bytes into U+FFFD as the text's decoding does: its output length is each offset
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, chars = [], len(decoder.decode(before))
-    for b in raw:
-        offsets.append(chars)
-        chars += len(decoder.decode(b))
+    offsets = (before if isinstance(before, TextOffsets) else TextOffsets(before)).advance(raw)
     top = []
     for e, s in zip(entries, tokens):
         alts = {_text(tokenizer, t): lp for t, lp in e.top}

@@ -46,7 +46,7 @@ from .chunked_prefill import SERVE_PREFILL_CHUNK_TOKENS
 from .execution import Executor, Submission
 from .generate import GenerationResult
 from .jsonio import dumps, json_safe
-from .logprobs import chat_logprobs, completion_logprobs, token_bytes
+from .logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from .model import SkipModel
 from .protocol import (
     SHAPE_FIELDS,
@@ -330,7 +330,7 @@ class _Routes:
                 body["usage"] = use  # OpenAI: null on every chunk but the last
             return "data: " + dumps(body) + "\n\n"
 
-        sent = [b""] * n  # per row, the bytes of the tokens whose log-probabilities were sent (text_offset)
+        sent = [TextOffsets() for _ in range(n)]  # per row, where its next token starts (text_offset)
 
         def event(i: int, text: str | None = None, finish: str | None = None, role: bool = False,
                   entries: Optional[list] = None) -> str:
@@ -340,9 +340,7 @@ class _Routes:
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish}
             if entries:
-                choice["logprobs"] = self._logprobs(kind, entries, sent[i])
-                if kind != "chat":  # only completions' text_offset reads it
-                    sent[i] += b"".join(token_bytes(self.model.tokenizer, e.token) for e in entries)
+                choice["logprobs"] = self._logprobs(kind, entries, sent[i])  # completions: advances sent[i]
             return sse([choice])
 
         try:
@@ -382,10 +380,10 @@ class _Routes:
             return Response(status_code=499)  # the client is gone
         return body(result)
 
-    def _logprobs(self, kind: str, entries: list, before: bytes = b"") -> dict[str, Any]:
+    def _logprobs(self, kind: str, entries: list, before: bytes | TextOffsets = b"") -> dict[str, Any]:
         """A choice's (or chunk's) ``logprobs`` object in the endpoint's shape (``kind`` "chat" or
-        "text"; :mod:`skipdecode.logprobs`), completions' ``text_offset`` after the row's earlier
-        tokens' bytes ``before``."""
+        "text"; :mod:`skipdecode.logprobs`), completions' ``text_offset`` after ``before`` (the
+        row's earlier tokens' bytes, or a stream's :class:`~skipdecode.logprobs.TextOffsets`)."""
         tok = self.model.tokenizer
         if kind == "chat":
             return chat_logprobs(entries, tok)
