@@ -128,7 +128,7 @@ class RowText:
         self.text = ""
         self.printed = ""
         self.reason = "length"
-        self._text = IncrementalText(tokenizer, self.eos)  # push's (the caller's thread)
+        self._pushed = IncrementalText(tokenizer, self.eos)  # push's (the caller's thread)
         self._seen = IncrementalText(tokenizer)  # stopped's (the engine's thread): every id it is given
 
     def in_text(self, token: int) -> bool:
@@ -158,7 +158,7 @@ class RowText:
         self.ids.append(token)
         if token in self.eos and self.ends_at_eos:
             self.reason = "eos"
-        text = self._text.add(token)
+        text = self._pushed.add(token)
         if final:  # the row's text exactly as one decode of its ids gives it
             text = self.tokenizer.decode([t for t in self.ids if t not in self.eos], skip_special_tokens=True)
         if self.reason == "stop":

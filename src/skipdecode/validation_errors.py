@@ -54,15 +54,15 @@ def _likeliest_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str
     a list of id lists at ``[0][0]``; ``[1, "a"]`` fails as strings at ``[0]`` and as ids at
     ``[1]``: the last is the user's likely intent. Ties keep every alternative; errors outside
     unions stay."""
+    branches = [_branch(e.get("loc", ())) for e in errors]
     first: dict[tuple, tuple[int, ...]] = {}  # (where, tag) -> where that alternative first failed
-    for e in errors:
-        b = _branch(e.get("loc", ()))
+    for b in branches:
         if b is not None and (b[:2] not in first or b[2] < first[b[:2]]):
             first[b[:2]] = b[2]
     furthest: dict[tuple, tuple[int, ...]] = {}
     for (where, _), progress in first.items():
         furthest[where] = max(furthest.get(where, progress), progress)
-    return [e for e in errors if (b := _branch(e.get("loc", ()))) is None or first[b[:2]] == furthest[b[0]]]
+    return [e for e, b in zip(errors, branches) if b is None or first[b[:2]] == furthest[b[0]]]
 
 
 def _alternatives(msgs: list[str]) -> str:
