@@ -20,6 +20,16 @@ from skipdecode.server import create_app
 SKIP = LinearDecayPolicy(num_layers=6, max_layers=5, min_layers=2, warmup_layers=1, horizon=4)
 
 
+def _rebuild(token: str) -> bytes:
+    """A client's reading of a token string: OpenAI's ``bytes:\\xNN...`` form parsed as hex
+    (as HELM's ``convert_tokens_to_text`` does), any other string as its UTF-8."""
+    if token.startswith("bytes:"):
+        body = token[len("bytes:"):]
+        assert body.startswith("\\x") and len(body) % 4 == 0, token
+        return bytes.fromhex(body.replace("\\x", ""))
+    return token.encode("utf-8")
+
+
 def test_token_logprobs_are_log_softmax_and_its_top_n():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 4
     tokens, top_n = [7, 0, 49], [0, 2, 5]
@@ -39,8 +49,9 @@ def test_token_logprobs_are_log_softmax_and_its_top_n():
 
 def test_token_bytes_rebuild_text_whose_characters_span_tokens():
     """OpenAI's ``bytes``: each token's own bytes, so that they join into the text even where a
-    character spans several tokens (a token's string alone then reads U+FFFD); ``text_offset``
-    counts the characters the earlier tokens complete."""
+    character spans several tokens; a token holding part of a character is named in OpenAI's
+    ``bytes:\\xNN`` form, so the token strings rebuild the text too; ``text_offset`` counts the
+    characters the earlier tokens complete."""
     tok = make_tokenizer()
     text = "猫、犬 café 😀"
     ids = tok(text)["input_ids"]
@@ -49,7 +60,13 @@ def test_token_bytes_rebuild_text_whose_characters_span_tokens():
     assert any(len(r) == 1 and r[0] >= 0x80 for r in raw)  # a token holding part of a character
     entries = token_logprobs(torch.zeros(len(ids), tok.vocab_size), ids, [1] * len(ids))
     out = completion_logprobs(entries, tok)
-    assert out["tokens"] == [r.decode("utf-8", errors="replace") for r in raw]
+    assert [_rebuild(t) for t in out["tokens"]] == raw  # every token's bytes, partial ones included
+    partial = [k for k, r in enumerate(raw) if len(r) == 1 and r[0] >= 0x80]
+    assert all(out["tokens"][k] == f"bytes:\\x{raw[k][0]:02x}" for k in partial)
+    assert all(not t.startswith("bytes:") and "\ufffd" not in t
+               for k, t in enumerate(out["tokens"]) if k not in partial and raw[k].isascii())
+    for k, alts in enumerate(out["top_logprobs"]):  # the alternatives' keys follow the same rule
+        assert all(_rebuild(key) for key in alts) and "\ufffd" not in "".join(alts)
     assert out["text_offset"] == [len(b"".join(raw[:k]).decode("utf-8", errors="ignore")) for k in range(len(ids))]
     # invalid bytes (a character's lead byte, then another character) count as U+FFFD, as in the text
     bad = [i for i, r in enumerate(raw) if len(r) == 1 and r[0] >= 0xC0][0]  # a lone lead byte
@@ -146,7 +163,7 @@ def test_chat_logprobs_streamed_and_not(client):
     assert 1 <= len(content) <= 6  # special tokens (here <|im_end|>, generated under ignore_eos) get none
     assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == data["choices"][0]["message"]["content"]
     for e in content:
-        assert bytes(e["bytes"]).decode("utf-8", errors="replace") == e["token"]
+        assert _rebuild(e["token"]) == bytes(e["bytes"])  # "bytes:\\xNN" for part of a character
         assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
         assert e["logprob"] <= e["top_logprobs"][0]["logprob"] + 1e-6  # the top alternative is the most likely
     streamed = [e for c in _sse(client, "/v1/chat/completions", body)

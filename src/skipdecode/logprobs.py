@@ -22,8 +22,10 @@ Shapes written (OpenAI API reference):
 A token's ``bytes`` are its own raw bytes (:func:`token_bytes`: for byte-level BPE tokenizers,
 GPT-2's byte-to-unicode table inverted; ``<0xHH>`` byte-fallback pieces; else the UTF-8 of its
 decoded text), so the bytes of consecutive tokens join into the text even where one character
-spans several tokens, as OpenAI intends; its string is those bytes decoded (U+FFFD for part of a
-character). Completions' ``text_offset`` counts the characters the tokens before it complete.
+spans several tokens, as OpenAI intends. Its string (:func:`token_string`) is those bytes decoded
+where they are valid UTF-8, else OpenAI's form for part of a character, ``"bytes:"`` and each byte
+as ``\\xNN`` (``"bytes:\\xe2\\x80"``), from which clients rebuild the text.
+Completions' ``text_offset`` counts the characters the tokens before it complete.
 (SentencePiece tokenizers: a piece's "▁" reads as a space, also on a row's first token, whose
 leading space the text's decoding strips, so there the joined bytes hold one extra leading space.)
 Tokens the text leaves out get no entry: EOS ids (also under ``ignore_eos``) and special tokens
@@ -41,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["MAX_LOGPROBS", "check_logprobs", "TokenLogprobs", "token_logprobs", "requested_logprobs",
-           "token_bytes", "TextOffsets", "completion_logprobs", "chat_logprobs", "logprobs_record"]
+           "token_bytes", "token_string", "TextOffsets", "completion_logprobs", "chat_logprobs", "logprobs_record"]
 
 #: Most alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``), OpenAI's
 #: chat limit (0-20) and vLLM's default ``max_logprobs``.
@@ -148,8 +150,20 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
     return tokenizer.decode([int(token)]).encode("utf-8")
 
 
+def token_string(raw: bytes) -> str:
+    """A token's string in a ``logprobs`` response, from its bytes ``raw`` (:func:`token_bytes`):
+    ``raw`` decoded when it is valid UTF-8, else OpenAI's form for a token holding part of a
+    character, ``"bytes:"`` followed by every byte as a backslash, ``x`` and two lower-case hex
+    digits (``b"\\xe2\\x80"`` -> ``bytes:\\xe2\\x80``, as OpenAI's legacy completions write
+    them), so that clients can rebuild the text where U+FFFD would lose it."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def _text(tokenizer: Any, token: int) -> str:
-    return token_bytes(tokenizer, token).decode("utf-8", errors="replace")
+    return token_string(token_bytes(tokenizer, token))
 
 
 class TextOffsets:
@@ -185,7 +199,7 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before
     ``before``: the bytes of the row's earlier tokens, or a stream's :class:`TextOffsets` for the
     row, which this call advances past ``entries``."""
     raw = [token_bytes(tokenizer, e.token) for e in entries]
-    tokens = [b.decode("utf-8", errors="replace") for b in raw]
+    tokens = [token_string(b) for b in raw]
     offsets = (before if isinstance(before, TextOffsets) else TextOffsets(before)).advance(raw)
     top = []
     for e, s in zip(entries, tokens):
@@ -198,7 +212,7 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any, before
 
 def _chat_token(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
     raw = token_bytes(tokenizer, token)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str, Any]:
@@ -211,10 +225,10 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: Any) -> dict[str,
 def logprobs_record(entries: Sequence[TokenLogprobs], tokenizer: Any) -> list[dict[str, Any]]:
     """``entries`` as JSON-ready dicts (``skipdecode generate --logprobs N --json``): per token
     ``{"token": id, "text", "bytes", "logprob", "top": [{"token": id, "text", "bytes", "logprob"}]}``,
-    ``bytes`` the token's own (:func:`token_bytes`) and ``text`` those decoded."""
+    ``bytes`` the token's own (:func:`token_bytes`) and ``text`` its :func:`token_string`."""
     def one(token: int, logprob: float) -> dict[str, Any]:
         raw = token_bytes(tokenizer, token)
-        return {"token": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+        return {"token": token, "text": token_string(raw), "bytes": list(raw),
                 "logprob": logprob}
 
     return [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]} for e in entries]
