@@ -232,3 +232,25 @@ def test_cli_model_label_equals_path_names_the_rows(saved_pair, tmp_path, monkey
     assert rep["meta"]["baseline"]["model"] == "one" and rep["meta"]["models"]["one"]["source"].endswith("two")
     result, text = _run(["eval", "--model", "=two", *common])
     assert result.exit_code == 2 and "needs a label" in text and "Traceback" not in result.output
+
+
+def test_cli_runs_final_folders_are_labelled_by_their_run(saved_pair, tmp_path, monkeypatch):
+    """Two training runs' ``final`` (or ``checkpoint-N``) folders are labelled ``RUN/final``
+    (not ``final`` and ``final#2``), and --baseline takes that label; ``LABEL=`` with no model
+    is refused by name."""
+    one, two = saved_pair
+    runs = tmp_path / "runs"
+    shutil.copytree(one, runs / "a" / "final")
+    shutil.copytree(two, runs / "b" / "checkpoint-00000012")
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    common = ["--data", str(data), "--limit", "1", "--max-new-tokens", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    monkeypatch.chdir(tmp_path)
+    result, text = _run(["eval", "--model", "runs/a/final", "--model", str(runs / "b" / "checkpoint-00000012"),
+                         "--baseline", "a/final", *common])
+    assert result.exit_code == 0, text
+    rep = json.loads((tmp_path / "o" / "eval.json").read_text())
+    assert list(dict.fromkeys(r["model"] for r in rep["rows"])) == ["a/final", "b/checkpoint-00000012"]
+    assert rep["meta"]["baseline"]["model"] == "a/final"
+    result, text = _run(["eval", "--model", "x=", *common])
+    assert result.exit_code == 2 and "needs a model after '='" in text and "Traceback" not in result.output

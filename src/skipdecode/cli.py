@@ -364,11 +364,25 @@ def _labelled(spec: str) -> tuple[Optional[str], str]:
     (``2x=runs/e2e-2x/final``), anything else is a model alone (label None). A value that is
     an existing path, or whose part before ``=`` holds a ``/``, is a model (paths may hold ``=``)."""
     label, sep, model = spec.partition("=")
-    if not sep or Path(spec).exists() or "/" in label or not model.strip():
+    if not sep or Path(spec).exists() or "/" in label:
         return None, spec
     if not label.strip():
         fail(f"--model {spec!r}: LABEL=MODEL needs a label before '=' (or give the model alone)")
+    if not model.strip():
+        fail(f"--model {spec!r}: LABEL=MODEL needs a model after '=' (an HF id, a checkpoint directory "
+             f"or a .gguf file)")
     return label.strip(), model.strip()
+
+
+def _path_label(spec: str) -> str:
+    """The table label of a ``--model`` path: its folder's name, with the run's folder in front
+    for the names every training run writes (``runs/e2e-2x/final`` -> ``e2e-2x/final``,
+    ``runs/e2e-2x/checkpoint-00000100`` -> ``e2e-2x/checkpoint-00000100``), so that two runs'
+    outputs get their runs' names rather than ``final`` and ``final#2``."""
+    path = Path(os.path.abspath(spec))  # "." and "../x" have names too
+    if path.name == "final" or path.name.startswith("checkpoint-"):
+        return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+    return path.name
 
 
 def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) -> dict:
@@ -385,7 +399,7 @@ def _eval_entries(models, device, dtype, chat, quantize, compile, no_adapter) ->
     for given in models or ["stock"]:
         label, spec = _labelled(given)
         if label is None:
-            label = Path(os.path.abspath(spec)).name if Path(spec).exists() else spec  # "." has a name too
+            label = _path_label(spec) if Path(spec).exists() else spec
         base, k = label, 2
         while label in entries:
             label, k = f"{base}#{k}", k + 1
