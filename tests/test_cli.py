@@ -465,3 +465,20 @@ def test_generate_logprobs(runner, chain_dir):
     res = invoke(runner, ["generate", "x", "--model", str(chain_dir), "--logprobs", "21"])
     assert res.exit_code != 0 and "--logprobs must be an integer in [0, 20]" in res.output
     assert "Traceback" not in res.output and "Loading" not in res.output
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "bench"])
+def test_a_bad_model_path_is_named_as_the_model_option(runner, tmp_path, command):
+    """A model that is neither a folder, a .gguf file nor a hub id is refused naming --model,
+    on every command that loads one, before anything runs."""
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    args = {"generate": ["generate", "x", "-n", "1"], "eval": ["eval", "--limit", "1", "--out", str(tmp_path / "o")],
+            "bench": ["bench", "--output", str(tmp_path / "b.json")]}[command]
+    for model, detail in ((str(text), "neither a directory nor a .gguf file"),
+                          (str(tmp_path / "gone.gguf"), "GGUF file not found")):
+        res = invoke(runner, [*args, "--model", model])
+        assert res.exit_code == 2, res.output
+        message = squash(res.output)
+        assert message.startswith("error:--model:") and squash(detail) in message, res.output
+        assert "Traceback" not in res.output

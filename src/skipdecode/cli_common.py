@@ -300,7 +300,7 @@ def load_model(model_name, device="cpu", dtype="float32", chat=None, quantize=No
             sk = load(model_name, device=device, dtype=dtype, chat=chat, quantize=quantize, compile=compile,
                       adapter=adapter)
     except (LoadError, UnsupportedArchitectureError) as e:
-        fail(str(e))
+        fail(f"--model: {e}" if getattr(e, "param", None) == "model" else str(e))
     if sk.compile_report is not None:
         err.print(compile_summary(sk.compile_report), markup=False)
     return sk

@@ -35,7 +35,16 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class LoadError(ValueError):
-    """A model could not be found or read; the message says what was tried."""
+    """A model could not be found or read; the message says what was tried.
+
+    Attributes:
+        param: ``"model"`` when the fault is the model name or path itself (the CLI names its
+            ``--model`` option then), else None.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def embedded_gguf_path() -> Path:
@@ -281,23 +290,24 @@ def _load_hf_model(model: str | os.PathLike | None, dtype: torch.dtype, unmerged
         return hf_model, tokenizer, {}, f"{DEFAULT_MODEL} ({gguf})"
     skip_config: dict[str, Any] = {}
     if not str(model).strip():
-        raise LoadError("model must be a folder, a .gguf file or a Hugging Face model id, got an empty name")
+        raise LoadError("model must be a folder, a .gguf file or a Hugging Face model id, got an empty name",
+                        param="model")
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.exists():
-            raise LoadError(f"GGUF file not found: {path}")
+            raise LoadError(f"GGUF file not found: {path}", param="model")
         if not path.is_file():
-            raise LoadError(f"{path} is a folder, not a GGUF file")
+            raise LoadError(f"{path} is a folder, not a GGUF file", param="model")
         hf_model, tokenizer = _checked_gguf(path, dtype)
     elif path.exists():
         if not path.is_dir():
-            raise LoadError(f"model path {path} is neither a directory nor a .gguf file")
+            raise LoadError(f"model path {path} is neither a directory nor a .gguf file", param="model")
         skip_config = _read_folder_config(path)
         _check_weight_files(path)
         hf_model, tokenizer = _from_folder(path, skip_config, dtype, unmerged, decode_only, bridges)
         bridges.append(path)
     elif str(model).startswith(("/", "./", "../", "~")) or path.suffix in (".gguf", ".json", ".safetensors"):
-        raise LoadError(f"model path {model} does not exist")
+        raise LoadError(f"model path {model} does not exist", param="model")
     else:
         hf_model, tokenizer = _from_hub(model, dtype)
     return hf_model, tokenizer, skip_config, str(model)
@@ -349,21 +359,21 @@ def _from_hub(model: str | os.PathLike, dtype: torch.dtype) -> tuple[Any, Any]:
         validate_repo_id(name)
     except HFValidationError as err:
         raise LoadError(f"{name!r} is neither an existing path nor a valid Hugging Face model id "
-                        f"({str(err).splitlines()[0]})") from None
+                        f"({str(err).splitlines()[0]})", param="model") from None
     try:
         return _from_pretrained(name, dtype, local_files_only=True)
     except OSError:
         pass  # not (completely) in the cache
     where = f"could not load {name!r}: not a local path and not in the Hugging Face cache"
     if constants.HF_HUB_OFFLINE:
-        raise LoadError(f"{where}, and HF_HUB_OFFLINE is set") from None
+        raise LoadError(f"{where}, and HF_HUB_OFFLINE is set", param="model") from None
     problem = _hub_problem(name)
     if problem:
-        raise LoadError(f"{where}, and {problem}") from None
+        raise LoadError(f"{where}, and {problem}", param="model") from None
     try:
         return _from_pretrained(name, dtype)
     except OSError as err:
-        raise LoadError(f"{where}, and the download failed ({str(err).splitlines()[0]})") from None
+        raise LoadError(f"{where}, and the download failed ({str(err).splitlines()[0]})", param="model") from None
 
 
 def _hub_problem(name: str) -> str | None:
