@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-__all__ = ["portable", "portable_record"]
+__all__ = ["portable", "portable_record", "portable_here", "loadable_path"]
 
 
 def _prefixes() -> list[tuple[str, str]]:
@@ -55,6 +55,43 @@ def portable_record(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [portable_record(v) for v in obj]
     return obj
+
+
+def portable_here(obj: Any) -> Any:
+    """:func:`portable_record` of ``obj`` (a JSON-like record or a string), then every absolute
+    path left under the current directory written relative to it: the rule for records of runs
+    whose files lie outside the repository (e.g. ``cd /tmp/work && skipdecode train --out runs/a``
+    records ``runs/a``, not ``/tmp/work/runs/a``). Paths under the repository, the data folder or
+    ``site-packages`` keep :func:`portable`'s form; other text is unchanged."""
+    here = str(Path.cwd().resolve())
+    prefix = here.rstrip(os.sep) + os.sep
+
+    def rewrite(text: str) -> str:
+        text = portable(text)
+        return text if here == os.sep else re.sub(re.escape(prefix), "", text)
+
+    if isinstance(obj, str):
+        return rewrite(obj)
+    if isinstance(obj, dict):
+        return {rewrite(k) if isinstance(k, str) else k: portable_here(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable_here(v) for v in obj]
+    return obj
+
+
+def loadable_path(path: str | os.PathLike) -> str:
+    """``path`` (an existing file or folder, e.g. a model folder that a record must still be able
+    to load) as :func:`portable_here` writes it when that relative form, read from the current
+    directory, names the same place; else its absolute path (e.g. a folder outside both the
+    repository and the current directory, or under the data folder, whose ``$SKIPDECODE_DATA/``
+    form no loader expands). A ``path`` that does not exist (a Hugging Face model id) is
+    returned unchanged."""
+    text = os.fspath(path)
+    if not Path(text).exists():
+        return text
+    absolute = Path(text).resolve()
+    short = portable_here(str(absolute))
+    return short if short != str(absolute) and Path(short).resolve() == absolute else str(absolute)
 
 
 def is_file_name(name: str) -> bool:
