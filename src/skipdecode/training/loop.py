@@ -39,6 +39,7 @@ from .config import TrainConfig, TrainConfigError, build_policies, resolve_devic
 from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult
+from .start import prepare_start_model, trainable_for_full_fine_tuning
 from ..generate import _eos_ids
 from ..loading import warn_if_slow_bfloat16
 from .on_policy import load_init_bridge, load_init_lora, on_policy_rows, on_policy_targets, student_answers
@@ -67,6 +68,7 @@ class _Run:
 
             self.sk = load(model, adapter=False)  # the stock weights, never a shipped skip adapter
         self.base_name = config.base_model or ck._base_model_name(self.sk, model)
+        prepare_start_model(self.sk, self.base_name, config)  # before any data work
         self.tokenizer = self.sk.tokenizer
         self.chat = self.sk.chat if config.chat is None else config.chat
         self.num_layers = self.sk.num_layers
@@ -180,7 +182,7 @@ class _Run:
             inner = self.peft_model.base_model.model  # the HF model, LoRA layers injected in place
             trainable: nn.Module = self.peft_model
         else:
-            inner, trainable = hf_model, hf_model
+            inner = trainable = trainable_for_full_fine_tuning(hf_model)  # a merged LoRA arrives frozen
         adapter = get_adapter(inner)
         if c.kl_weight > 0 and self.peft_model is not None and self.own_teacher is None:
             self.teacher_adapter = adapter  # run under peft_model.disable_adapter(): the frozen base
