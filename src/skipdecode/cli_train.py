@@ -12,6 +12,7 @@ import typer
 
 from .cli_common import THREADS_HELP, err, fail, load_model, set_threads, speedup_values
 from .jsonio import dumps
+from .paths import portable_here
 
 TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory or .gguf file. Default: the embedded "
                     "SmolLM2-135M-Instruct's stock weights (training never starts from a shipped skip adapter).")
@@ -136,7 +137,7 @@ def train(
     summary = {k: v for k, v in result.to_dict().items() if k not in ("train_log", "val_log", "config")}
     summary["final_train_loss"] = result.train_log[-1]["loss"] if result.train_log else None
     summary["final_val_loss"] = result.val_log[-1]["loss"] if result.val_log else None
-    print(dumps(summary))
+    print(dumps(portable_here(summary)))  # as train_record.json: no absolute paths
 
 
 def _with_options(reason: str, option) -> str:

@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from ..model import SKIP_CONFIG_NAME, SkipModel, write_json_atomic
-from ..paths import writable_dir_problem
+from ..paths import portable_here, writable_dir_problem
 from ..skip_config import SkipConfigError, read_skip_config, verify_weights
 from .batching import _sha256_file
 from .config import RESUME_FIELDS, TrainConfig, TrainConfigError
 
-__all__ = ["latest_checkpoint", "CheckpointError", "check_out_dir", "verify_checkpoint", "STATE_DIR", "RECORD_NAME"]
+__all__ = ["latest_checkpoint", "CheckpointError", "check_out_dir", "verify_checkpoint", "check_same_data", "STATE_DIR",
+           "RECORD_NAME"]
 
 STATE_DIR = "train_state"
 RECORD_NAME = "train_record.json"
@@ -271,10 +272,65 @@ def find_resume_checkpoint(out_dir: Path, config: TrainConfig, world: int,
         if name == "epochs" and now["max_steps"] is not None:
             continue  # epochs plans nothing when max_steps is set (a differing max_steps is refused)
         old, new = saved["config"].get(name, defaults[name]), now[name]
-        if old != new:
+        if _comparable(old) != _comparable(new):  # paths by where they lead, not by their spelling
             raise TrainConfigError(name, f"differs from the checkpoint's ({old!r} in {ckpt}, {new!r} now): "
                                          "resume needs the same settings")
     return ckpt, saved
+
+
+def _comparable(value: Any) -> Any:
+    """A setting as resume compares it: a string naming an existing file or folder as its
+    resolved, portable path (:func:`skipdecode.paths.portable_here`), so that ``runs/a/final``,
+    its absolute spelling and the portable form a checkpoint records all compare equal (older
+    checkpoints recorded absolute paths); any other value as it is."""
+    if isinstance(value, str) and value:
+        path = Path(value).expanduser()
+        return portable_here(str(path.resolve()) if path.exists() else value)
+    return value
+
+
+def _data_name(record: dict[str, Any]) -> str:
+    """The data file a data record names (portable), its spec, or "in-memory examples"."""
+    return str(_comparable(record.get("path") or record.get("spec") or "in-memory examples"))
+
+
+def _sha(record: dict[str, Any]) -> str:
+    digest = record.get("sha256")
+    return f"sha256 {digest[:12]}..." if isinstance(digest, str) and digest else "no sha256"
+
+
+def check_same_data(ckpt: Path | None, saved: dict[str, Any], data_hash: str, info: dict[str, Any]) -> None:
+    """On resume, make sure the run reads the data its checkpoint ``ckpt`` trained on: the sha256
+    of the token ids of its training examples (``data_hash``) must equal the checkpoint's, so the
+    same file given by another spelling (relative or absolute) is the same data. Nothing to
+    check for a fresh run (``ckpt`` None).
+
+    Args:
+        ckpt: the checkpoint resumed from, or None. saved: its ``state.json``.
+        data_hash: this run's hash of its tokenized training examples.
+        info: where this run's data came from (``spec``, ``path``, ``sha256``).
+
+    Raises:
+        TrainConfigError: (field ``resume``) the data differ; the message names the file and
+            sha256 the checkpoint trained on (its ``skipdecode.json``) and this run's, says that
+            the file changed, or that the same file gives other token ids (another tokenizer)."""
+    if ckpt is None or saved.get("data_hash") == data_hash:
+        return
+    try:
+        old = json.loads((ckpt / SKIP_CONFIG_NAME).read_text()).get("data")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    old = old if isinstance(old, dict) else {}
+    if old.get("sha256") and old.get("sha256") == info.get("sha256"):
+        problem = (f"{_data_name(info)} ({_sha(info)}) is the file {ckpt} trained on, but its examples give "
+                   "other token ids: resume needs the same starting model (its tokenizer)")
+    elif old.get("path") and _data_name(old) == _data_name(info):
+        problem = f"{_data_name(info)} changed since {ckpt} was written ({_sha(old)} then, {_sha(info)} now)"
+    elif old:
+        problem = f"{ckpt} trained on {_data_name(old)} ({_sha(old)}), this run reads {_data_name(info)} ({_sha(info)})"
+    else:
+        problem = f"the sha256 of the training examples' token ids differs from {ckpt}'s"
+    raise TrainConfigError("resume", f"cannot continue with other training data: {problem}")
 
 
 def load_distill_answers(ckpt: Path) -> dict[str, list[int]]:
@@ -409,7 +465,7 @@ def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: C
             torch.save(scheduler.state_dict(), state_dir / "scheduler.pt")
             if answers is not None:
                 write_json_atomic(state_dir / "distill_answers.json", answers)
-            write_json_atomic(state_dir / "state.json", state)
+            write_json_atomic(state_dir / "state.json", portable_here(state))  # no absolute paths
             torch.save(_rng_state(), state_dir / "rng-0.pt")
             _write_checksums(ckpt)
             if target.exists():
@@ -427,6 +483,8 @@ def save_checkpoint(out_dir: Path, step: int, *, accelerator: Any, save_model: C
 
 
 def write_record(out_dir: Path, record: dict[str, Any]) -> None:
-    """Write ``out_dir/train_record.json`` atomically."""
+    """Write ``out_dir/train_record.json`` atomically, its paths portable
+    (:func:`skipdecode.paths.portable_here`: relative to the repository, the data folder or the
+    current directory, never this machine's absolute paths)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / RECORD_NAME, record)
+    write_json_atomic(out_dir / RECORD_NAME, portable_here(record))

@@ -38,7 +38,7 @@ from .batching import Batch, TokenizedExample, _hash_examples, _Order, _policy_i
 from .config import TrainConfig, TrainConfigError, build_policies, resolve_device
 from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
-from .record import TrainResult
+from .record import TrainResult, skip_config_record
 from .start import prepare_start_model, trainable_for_full_fine_tuning
 from ..generate import _eos_ids
 from ..loading import warn_if_slow_bfloat16
@@ -121,8 +121,7 @@ class _Run:
         self.val_items = [x for x in tokenize_run(self.rd, self.rd.val_raw, c, self.tokenizer, self.chat)
                           if x is not None]
         self.data_hash = _hash_examples([x for x in self.train_items if x is not None])
-        if self.saved and self.saved.get("data_hash") != self.data_hash:
-            raise TrainConfigError("resume", f"the training data differ from those of {self.ckpt}")
+        ck.check_same_data(self.ckpt, self.saved, self.data_hash, self.rd.info)  # a resume reads its data again
         self.horizon = choose_horizon(self.rd, c, self.tokenizer)
         self.policies = build_policies(c, self.num_layers, self.horizon)
         self.labels = [label for label, _ in self.policies]
@@ -379,7 +378,7 @@ class _Run:
     def skip_config_extra(self, step: int) -> dict[str, Any]:
         """The run's part of the saved ``skipdecode.json``."""
         c = self.config
-        return {
+        return skip_config_record({  # portable paths (skipdecode.paths), the base model loadable from here
             "task": self.task,
             "response_separator": None if self.chat else c.response_separator,
             "horizon": self.horizon,
@@ -393,7 +392,7 @@ class _Run:
             "data": self.data_record(step),
             "losses": {"train": [[r["step"], r["loss"]] for r in self.train_log],
                        "val": [[r["step"], r["loss"]] for r in self.val_log]},
-        }
+        }, self.base_name)
 
     def save_model(self, target: Path, step: int) -> Path:
         """Write the model (HF checkpoint or LoRA adapter) + skipdecode.json atomically."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["TrainResult"]
+__all__ = ["TrainResult", "skip_config_record"]
 
 
 @dataclass
@@ -67,3 +67,18 @@ class TrainResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict."""
         return asdict(self)
+
+
+def skip_config_record(extra: dict[str, Any], base_model: str | None) -> dict[str, Any]:
+    """The run's part of a saved ``skipdecode.json`` (``extra``) with portable paths
+    (:func:`skipdecode.paths.portable_here`: no absolute path of this machine), and
+    ``base_model`` set to ``base_model`` as :func:`skipdecode.paths.loadable_path` writes it: a
+    LoRA adapter's ``base_model`` is where :func:`skipdecode.load` finds its base, so a local
+    folder is written relative only when that relative path, read from the current directory,
+    still names it (run ``skipdecode`` from the same folder, usually the repository, to load it).
+    A model id or None is kept as it is."""
+    from ..paths import loadable_path, portable_here
+
+    out = portable_here(extra)
+    out["base_model"] = loadable_path(base_model) if base_model else base_model
+    return out
