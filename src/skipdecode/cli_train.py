@@ -14,8 +14,9 @@ from .cli_common import THREADS_HELP, err, fail, load_model, set_threads, speedu
 from .jsonio import dumps
 from .paths import portable_here
 
-TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory or .gguf file. Default: the embedded "
-                    "SmolLM2-135M-Instruct's stock weights (training never starts from a shipped skip adapter).")
+TRAIN_MODEL_HELP = ("Model to fine-tune: HF model id, checkpoint directory (a LoRA run's final/ loads with its adapter "
+                    "merged, then trains as any model) or .gguf file. Default: the embedded SmolLM2-135M-Instruct's "
+                    "stock weights (training never starts from a shipped skip adapter).")
 
 def train(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=TRAIN_MODEL_HELP),
@@ -70,55 +71,49 @@ def train(
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP),
 ) -> None:
     """Fine-tune a model with its skip schedule in place; prints the run record's summary as JSON."""
-    from .data import DataError, check_data_file
-    from .train import TrainConfig, TrainConfigError, train as run_train
-
-    # TrainConfig field -> the option that sets it (for error messages)
-    renamed = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "base_model": "--model",
-               "save_total_limit": "--keep-checkpoints"}
-
-    def option(field_name: str) -> str:
-        return renamed.get(field_name, "--" + field_name.replace("_", "-"))
-
-    set_threads(threads)
-    if keep_checkpoints is not None and not checkpoint_every:  # it would be silently ignored
-        fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
-    speedup_list = None if speedups is None else tuple(speedup_values([speedups], "--speedups"))
-    try:
-        config = TrainConfig(
-            out_dir=str(out), speedup=speedup, speedups=speedup_list, max_layers=max_layers, min_layers=min_layers,
-            warmup_layers=warmup_layers, horizon=horizon, full_depth_steps=full_depth_steps, task=task,
-            max_length=max_length,
-            val_fraction=val_fraction, skip_bad_rows=skip_bad_rows, chat=chat, epochs=epochs, max_steps=max_steps,
-            max_minutes=max_minutes, teacher=teacher,
-            lr=lr, weight_decay=weight_decay, batch_size=batch_size, grad_accum=grad_accum,
-            lr_scheduler=lr_scheduler, warmup_ratio=warmup_ratio, max_grad_norm=max_grad_norm,
-            gradient_checkpointing=grad_checkpointing, seed=seed, device=device, bf16=bf16, distill=distill,
-            kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens,
-            distill_answers_from=distill_answers_from, lora_r=lora_r,
-            lora_alpha=lora_alpha, eval_every=eval_every, checkpoint_every=checkpoint_every,
-            save_total_limit=1 if keep_checkpoints is None else keep_checkpoints, resume=resume,
-            progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing, base_prefill=base_prefill,
-            entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr, on_policy=on_policy, init_adapter=init_adapter,
-            position_half_life=position_half_life,
-        )
-    except TrainConfigError as e:
-        fail(f"{option(e.field)} {_with_options(e.reason, option)}")
-    if config.needs_val_data:  # the CLI has no separate validation file: it would be silently ignored
-        fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
-    try:
-        check_data_file(data)  # a folder fails here, before the model loads
-    except DataError as e:
-        fail(f"--data {e}")
-    sk = load_model(model, "cpu", "float32", chat, adapter=False)  # train from the stock weights
     main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None  # says how to resume, as Ctrl-C
+    loading = True  # until the run starts: an interrupt then says that nothing was written
     try:
+        from .data import DataError, check_data_file
+        from .train import TrainConfig, TrainConfigError, train as run_train
+
+        set_threads(threads)
+        if keep_checkpoints is not None and not checkpoint_every:  # it would be silently ignored
+            fail(f"--keep-checkpoints ({keep_checkpoints}) needs --checkpoint-every: without it only final/ is written")
+        speedup_list = None if speedups is None else tuple(speedup_values([speedups], "--speedups"))
+        try:
+            config = TrainConfig(
+                out_dir=str(out), speedup=speedup, speedups=speedup_list, max_layers=max_layers,
+                min_layers=min_layers, warmup_layers=warmup_layers, horizon=horizon,
+                full_depth_steps=full_depth_steps, task=task, max_length=max_length, val_fraction=val_fraction,
+                skip_bad_rows=skip_bad_rows, chat=chat, epochs=epochs, max_steps=max_steps,
+                max_minutes=max_minutes, teacher=teacher, lr=lr, weight_decay=weight_decay, batch_size=batch_size,
+                grad_accum=grad_accum, lr_scheduler=lr_scheduler, warmup_ratio=warmup_ratio,
+                max_grad_norm=max_grad_norm, gradient_checkpointing=grad_checkpointing, seed=seed, device=device,
+                bf16=bf16, distill=distill, kl_weight=kl_weight, distill_max_new_tokens=distill_max_new_tokens,
+                distill_answers_from=distill_answers_from, lora_r=lora_r, lora_alpha=lora_alpha,
+                eval_every=eval_every, checkpoint_every=checkpoint_every,
+                save_total_limit=1 if keep_checkpoints is None else keep_checkpoints, resume=resume,
+                progress=progress, prompt_grad=prompt_grad, teacher_forcing=teacher_forcing,
+                base_prefill=base_prefill, entry_bridge=entry_bridge, entry_bridge_lr=entry_bridge_lr,
+                on_policy=on_policy, init_adapter=init_adapter, position_half_life=position_half_life,
+            )
+        except TrainConfigError as e:
+            fail(_train_error(e))
+        if config.needs_val_data:  # the CLI has no separate validation file: it would be silently ignored
+            fail(f"--eval-every ({eval_every}) needs a validation set: --val-fraction is 0")
+        try:
+            check_data_file(data)  # a folder fails here, before the model loads
+        except DataError as e:
+            fail(f"--data {e}")
+        sk = load_model(model, "cpu", "float32", chat, adapter=False)  # train from the stock weights
+        loading = False
         result = run_train(sk, data, config)
     except KeyboardInterrupt as stop:
-        _interrupted(out, checkpoint_every, 143 if isinstance(stop, _Terminated) else 130)
+        _interrupted(out, checkpoint_every, 143 if isinstance(stop, _Terminated) else 130, loading=loading)
     except TrainConfigError as e:
-        fail(f"{option(e.field)} {_with_options(e.reason, option)}")
+        fail(_train_error(e))
     except DataError as e:
         fail(f"--data {e}")
     except ValueError as e:
@@ -126,12 +121,7 @@ def train(
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    err.print(
-        f"[dim]{result.steps} steps | {result.tokens_seen} tokens | {result.tokens_per_second:.1f} tok/s "
-        f"({result.target_tokens_per_second:.1f} response tok/s) | {result.wall_seconds:.0f} s | final loss "
-        f"{result.train_log[-1]['loss'] if result.train_log else float('nan'):.4f}[/]",
-        highlight=False,
-    )
+    err.print(f"[dim]{summary_line(result)}[/]", highlight=False)
     err.print(f"model written to {result.final_dir}  (try: skipdecode generate --model {result.final_dir} ...)",
               highlight=False, markup=False)
     summary = {k: v for k, v in result.to_dict().items() if k not in ("train_log", "val_log", "config")}
@@ -140,9 +130,50 @@ def train(
     print(dumps(portable_here(summary)))  # as train_record.json: no absolute paths
 
 
+#: TrainConfig field -> the option that sets it, where the names differ (for error messages)
+_RENAMED = {"out_dir": "--out", "gradient_checkpointing": "--grad-checkpointing", "base_model": "--model",
+            "save_total_limit": "--keep-checkpoints"}
+
+
+def _option(field_name: str) -> str:
+    """The ``skipdecode train`` option that sets TrainConfig field ``field_name``."""
+    return _RENAMED.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _train_error(e) -> str:
+    """A :class:`~skipdecode.train.TrainConfigError` as the CLI's one-line message: its field as
+    the option that sets it, then its reason with the options it names (:func:`_with_options`)."""
+    return f"{_option(e.field)} {_with_options(e.reason, _option)}"
+
+
+def summary_line(result) -> str:
+    """The line ``skipdecode train`` prints after a run (a :class:`~skipdecode.train.TrainResult`).
+
+    A fresh run: its steps, tokens, tokens/s (all and response tokens), wall seconds and last
+    training loss. A resumed run says which numbers are the run's totals (steps, tokens) and which
+    are this session's (steps, tokens, rates, seconds); a resume that had nothing left to train
+    says the run was already complete (or its ``--max-minutes`` budget already spent) instead of
+    printing 0 tok/s."""
+    loss = f"final loss {result.train_log[-1]['loss'] if result.train_log else float('nan'):.4f}"
+    rates = f"{result.tokens_per_second:.1f} tok/s ({result.target_tokens_per_second:.1f} response tok/s)"
+    wall = f"{result.wall_seconds:.0f} s"
+    if result.resumed_from is None:
+        return f"{result.steps} steps | {result.tokens_seen} tokens | {rates} | {wall} | {loss}"
+    if result.session_steps == 0:
+        state = ("run already complete" if result.steps >= result.total_steps
+                 else "the --max-minutes budget was already spent")
+        return (f"{state}: {result.steps} of {result.total_steps} steps, {result.tokens_seen} tokens; nothing "
+                f"trained in this session (resumed from {result.resumed_from}) | {wall} | {loss}")
+    return (f"run: {result.steps} of {result.total_steps} steps, {result.tokens_seen} tokens | this session "
+            f"(resumed from step {result.steps - result.session_steps}): {result.session_steps} steps, "
+            f"{result.session_tokens} tokens, {rates}, {wall} | {loss}")
+
+
 def _with_options(reason: str, option) -> str:
     """A training error's ``reason`` with the schedule field it compares against written as its
-    option (``option(field)``): ``must be <= max_layers (10)`` as ``must be <= --max-layers (10)``,
+    option (``option(field)``): ``must be <= max_layers (10)`` as ``must be <= --max-layers (10)``
+    (``must be < min_layers`` too), ``min_layers defaults to max_layers`` and ``warmup_layers=1``
+    as options,
     ``cannot be combined with speedup`` as ``... with --speedup``, ``resume=True (--resume on
     the command line)`` as ``--resume``, ``needs lora_r >= 1`` as ``needs --lora-r R (R >= 1)``, and the
     missing schedule's fields as options. Only these phrasings are rewritten, so paths and quoted
@@ -152,9 +183,11 @@ def _with_options(reason: str, option) -> str:
     fields = ("speedups", "speedup", "max_layers", "min_layers")
     reason = reason.replace("resume=True (--resume on the command line)", "--resume")
     reason = reason.replace("needs lora_r >= 1", "needs --lora-r R (R >= 1)")
+    reason = reason.replace("min_layers defaults to max_layers", "--min-layers defaults to --max-layers")
     reason = reason.replace("give speedup, speedups, or max_layers/min_layers (speedup=1 for full depth)",
                             "give --speedup, --speedups, or --max-layers/--min-layers (--speedup 1 for full depth)")
-    return re.sub(r"\b(must be <=|cannot be combined with) (" + "|".join(fields) + r")\b(?![\w/=])",
+    reason = re.sub(r"\bwarmup_layers=(\d+)", r"--warmup-layers \1", reason)
+    return re.sub(r"\b(must be <=?|cannot be combined with) (" + "|".join(fields) + r")\b(?![\w/=])",
                   lambda m: f"{m.group(1)} {option(m.group(2))}", reason)
 
 
@@ -167,9 +200,16 @@ def _interrupt(signum, frame) -> None:
     raise _Terminated
 
 
-def _interrupted(out: Path, checkpoint_every: int, status: int) -> None:
+def _interrupted(out: Path, checkpoint_every: int, status: int, loading: bool = False) -> None:
     """After ``train`` was interrupted (Ctrl-C: ``status`` 130, SIGTERM: 143, as shells report a
-    process ended by the signal): say where the run can resume from and exit with ``status``."""
+    process ended by the signal): say where the run can resume from (or, ``loading``, that it
+    stopped before the run started, while the model loaded) and exit with ``status``.
+
+    Raises:
+        typer.Exit: always, with ``status``."""
+    if loading:  # before the run started (imports, checks, the model loading): no heavy import here
+        err.print("training interrupted while loading the model; nothing was written", markup=False, highlight=False)
+        raise typer.Exit(status)
     from .train import latest_checkpoint
 
     ckpt = latest_checkpoint(out)

@@ -360,8 +360,8 @@ def _check_optimisation(c: "TrainConfig") -> None:
         _fail("base_prefill", "needs prompt_grad=false, i.e. --no-prompt-grad (the base model prefills the prompt "
                               "without gradient)")
     if not c.prompt_grad and c.gradient_checkpointing:
-        _fail("gradient_checkpointing", "cannot be combined with prompt_grad=false (Hugging Face checkpointed "
-                                        "layers drop the prompt's cached keys/values)")
+        _fail("gradient_checkpointing", "cannot be combined with prompt_grad=false, i.e. --no-prompt-grad (Hugging "
+                                        "Face checkpointed layers drop the prompt's cached keys/values)")
 
 
 def _check_path(c: "TrainConfig", name: str, what: str) -> bool:
@@ -384,12 +384,12 @@ def _check_distill_lora(c: "TrainConfig") -> None:
         _fail("kl_weight", f"must be a number >= 0, got {c.kl_weight!r}")
     if _check_path(c, "teacher", "a model name or path"):
         if c.kl_weight == 0:
-            _fail("teacher", "needs kl_weight > 0 (the teacher only enters the KL term)")
+            _fail("teacher", "needs kl_weight > 0, i.e. --kl-weight W (the teacher only enters the KL term)")
     _check_int(c, "distill_max_new_tokens", 1)
     _check_int(c, "distill_batch_size", 1)
     if _check_path(c, "distill_answers_from", "a checkpoint folder"):
         if not c.distill:
-            _fail("distill_answers_from", "needs distill=True (it supplies the teacher's answers)")
+            _fail("distill_answers_from", "needs distill=True, i.e. --distill (it supplies the teacher's answers)")
         if not os.path.isdir(c.distill_answers_from):
             _fail("distill_answers_from", f"must be an existing checkpoint folder, got {c.distill_answers_from!r}")
     if not _is_num(c.on_policy) or not 0 <= c.on_policy <= 1:
@@ -473,6 +473,8 @@ def _build_policies(config: TrainConfig, num_layers: int, horizon: int) -> list[
                                              warmup_layers=config.warmup_layers, horizon=horizon))]
     except ValueError as e:
         name, _, rest = str(e).partition(" ")
+        if name == "warmup_layers" and "min_layers" in rest and config.min_layers is None:
+            rest += "; min_layers defaults to max_layers"  # the floor the caller did not give
         if name in ("max_layers", "min_layers", "warmup_layers", "horizon"):
             raise TrainConfigError(name, f"{rest} (model has {num_layers} layers)") from None
         raise TrainConfigError(field_of, f"{rest} (model has {num_layers} layers)") from None

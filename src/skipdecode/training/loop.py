@@ -425,16 +425,15 @@ class _Run:
             out_dir=str(self.out_dir), final_dir=str(final_dir) if final_dir else None, steps=step,
             total_steps=self.total_steps, examples_seen=step * self.step_examples, tokens_seen=self.totals["tokens"],
             target_tokens_seen=self.totals["targets"], wall_seconds=time.perf_counter() - self.wall_start,
-            train_seconds=train_seconds,
-            tokens_per_second=tokens_now / train_seconds if train_seconds > 0 else 0.0,
+            train_seconds=train_seconds, tokens_per_second=tokens_now / train_seconds if train_seconds > 0 else 0.0,
             target_tokens_per_second=targets_now / train_seconds if train_seconds > 0 else 0.0,
             train_log=self.train_log, val_log=self.val_log, policy=self.policies[0][1].to_dict(),
             policies={label: p.to_dict() for label, p in self.policies}, horizon=self.horizon,
             num_layers=self.num_layers, lora=c.lora_r > 0, distill=c.distill, data=self.data_record(step),
             resumed_from=str(self.ckpt) if self.ckpt else None, config=c.to_dict(),
             train_seconds_total=self.spent_seconds, stopped_on_budget=self.stopped_on_budget,
-            stopped_at_step=step if self.stopped_on_budget else None,
-        )
+            stopped_at_step=step if self.stopped_on_budget else None, session_steps=step - self.start_step,
+            session_tokens=tokens_now, session_target_tokens=targets_now)
 
     def write_record(self, res: TrainResult) -> None:
         """``out_dir/train_record.json`` (main process only)."""

@@ -36,6 +36,13 @@ class TrainResult:
         stopped_on_budget: the run stopped on ``max_minutes`` before ``total_steps`` (it ended
             mid-schedule; ``final_dir`` still holds the model of step ``steps``).
         stopped_at_step: the step it stopped after on the budget (== ``steps``), else None.
+        session_steps, session_tokens, session_target_tokens: optimizer steps, real tokens and
+            response tokens of this invocation alone (a resume counts from its checkpoint; 0 when
+            it resumed a run that had already finished). ``steps``, ``tokens_seen`` and
+            ``target_tokens_seen`` are the run's totals; the rates above are this invocation's.
+
+    ``train_record.json`` holds :meth:`to_dict` with its paths made portable
+    (:func:`skipdecode.paths.portable_here`); the object keeps them as the run was given them.
     """
 
     out_dir: str
@@ -63,6 +70,9 @@ class TrainResult:
     train_seconds_total: float = 0.0
     stopped_on_budget: bool = False
     stopped_at_step: int | None = None
+    session_steps: int = 0
+    session_tokens: int = 0
+    session_target_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable dict."""
