@@ -108,3 +108,26 @@ def test_a_decode_only_adapter_is_refused_for_full_fine_tuning(lora_run, tmp_pat
     assert "decode-only" in info.value.reason and f"--init-adapter {final}" in info.value.reason
     assert "--lora-r 4" in info.value.reason and "--base-prefill" in info.value.reason
     assert not (tmp_path / "full").exists()
+
+
+def test_a_lora_run_recorded_with_a_relative_base_loads_from_another_directory(lora_run, tmp_path, monkeypatch):
+    """Training records a local base relative to the directory it ran in; loading the run's
+    final/ from elsewhere finds the base from the run folder's ancestors, merges it as before,
+    and returns a model whose every parameter can train (peft's merge left them frozen)."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(lora_run / "base", work / "base")
+    final = work / "runs" / "lora" / "final"
+    shutil.copytree(lora_run / "lora" / "final", final)
+    for name, key in (("skipdecode.json", "base_model"), ("adapter_config.json", "base_model_name_or_path")):
+        record = json.loads((final / name).read_text())
+        if key in record:
+            record[key] = "base"  # as a run started in `work` records it
+            (final / name).write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)  # not where training ran: "base" is not here
+    sk = skipdecode.load(final, adapter=False)
+    want = weights(skipdecode.load(lora_run / "lora" / "final", adapter=False).model)
+    got = weights(sk.model)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(p.requires_grad for p in sk.model.parameters())

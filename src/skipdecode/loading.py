@@ -529,7 +529,7 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list
     from peft import PeftModel
 
     cfg = json.loads((path / "adapter_config.json").read_text())
-    base_name = skip_config.get("base_model") or cfg.get("base_model_name_or_path")
+    base_name = _recorded_base(skip_config.get("base_model") or cfg.get("base_model_name_or_path"), path)
     base = load(base_name, dtype=dtype, adapter=False)
     if bridges is not None and base.entry_bridge_path is not None:
         bridges.append(base.entry_bridge_path)
@@ -540,7 +540,23 @@ def _from_lora(path: Path, skip_config: dict, dtype: torch.dtype, unmerged: list
         return base.model, base.tokenizer
     with quiet_peft_checkpointing_warning():  # peft 0.21 reads a property transformers 5.24 deprecated
         merged = PeftModel.from_pretrained(base.model, str(path)).merge_and_unload()
+    for param in merged.parameters():  # peft leaves the base frozen; a loaded model trains like any other
+        param.requires_grad_(True)
     return merged, base.tokenizer
+
+
+def _recorded_base(base: str | None, adapter_dir: Path) -> str | None:
+    """Where a LoRA run's recorded ``base`` model lies. Training records a local base folder
+    relative to the directory it ran in (``skipdecode.paths.loadable_path``), which is an
+    ancestor of its output folder when ``--out`` was relative; so a relative ``base`` that does not
+    exist from the current directory is looked up from ``adapter_dir``'s ancestors, nearest first.
+    Anything else (an absolute path, a hub id, a path found here or nowhere) is returned as is."""
+    if not base or Path(base).is_absolute() or Path(base).exists():
+        return base
+    for folder in Path(adapter_dir).resolve().parents:
+        if (folder / base).is_dir():
+            return str(folder / base)
+    return base
 
 
 def _apply_skip_adapter(hf_model: Any, adapter: bool | str | os.PathLike, name: str,
