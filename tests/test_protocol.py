@@ -529,7 +529,12 @@ def test_real_server_with_the_openai_client(served_bos, bos_sk):
     lp = client.chat.completions.create(model="tiny", messages=MSGS, max_completion_tokens=4, logprobs=True,
                                         top_logprobs=2)
     entries = lp.choices[0].logprobs.content
-    assert "".join(e.token for e in entries) == lp.choices[0].message.content == want.texts[0]
+    # their bytes join into the text (an invalid byte decodes as U+FFFD there, and its token is
+    # named in OpenAI's "bytes:\\xNN" form, whose bytes are the same)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8", errors="replace") \
+        == lp.choices[0].message.content == want.texts[0]
+    assert all(e.token == bytes(e.bytes).decode("utf-8") if e.token[:6] != "bytes:"
+               else e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes) for e in entries)
     assert all(len(e.top_logprobs) == 2 and e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in entries)
     comp = client.completions.create(model="tiny", prompt=text_ids, max_tokens=4, logprobs=1)
     assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
