@@ -125,6 +125,9 @@ def test_interrupted_while_loading_says_so(inputs, tmp_path, monkeypatch, how, s
 
 _SELF_INTERRUPT = """
 import os, signal, sys, time
+# as in a terminal: a shell starts background jobs (e.g. a test run with `&`) with SIGINT ignored,
+# which this child would inherit
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import skipdecode.cli_train as cli_train
 def load_model(*args, **kwargs):  # a real SIGINT arrives while the model loads
     os.kill(os.getpid(), signal.SIGINT)
@@ -139,12 +142,13 @@ app()
 def test_a_real_sigint_while_loading_exits_130_with_one_line(inputs, tmp_path):
     model, data = inputs
     args = _args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1")
+    before = signal.getsignal(signal.SIGINT)
     proc = subprocess.run([sys.executable, "-c", _SELF_INTERRUPT, *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == "training interrupted while loading the model; nothing was written"
     assert proc.stdout == "" and not (tmp_path / "run").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process untouched
+    assert signal.getsignal(signal.SIGINT) is before  # this process untouched
 
 
 # ---- errors that name the options ---------------------------------------------------------
