@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import Killed, cfg, examples, tiny_skipmodel
+from test_train import Killed, cfg, cli_run, examples, saved_cli_inputs, tiny_skipmodel
 
 from skipdecode.train import TrainConfig, TrainConfigError, latest_checkpoint, train
 from skipdecode.training.checkpoint import CheckpointError
@@ -120,37 +120,24 @@ def test_out_dir_that_cannot_be_written_fails_before_training(tmp_path, monkeypa
 # ---------------------------------------------------------------------------------------------
 
 
-def _cli(args):
-    from typer.testing import CliRunner
-
-    from skipdecode.cli import app
-
-    res = CliRunner().invoke(app, args)
-    return res, " ".join(res.output.split())
-
-
 @pytest.fixture(scope="module")
 def cli_inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    tiny_skipmodel().save_pretrained(root / "model")
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
-    return root / "model", data
+    return saved_cli_inputs(tmp_path_factory.mktemp("cli"))
 
 
 def test_cli_train_resume_with_a_damaged_file_exits_2(cli_inputs, tmp_path):
     model, data = cli_inputs
     args = ["train", "--model", str(model), "--data", str(data), "--speedup", "2", "--max-steps", "1",
             "--batch-size", "2", "--checkpoint-every", "1", "--no-progress", "--out", str(tmp_path / "run")]
-    res, _ = _cli(args)
+    res, _ = cli_run(args)
     assert res.exit_code == 0, res.output
-    res, text = _cli(args)  # the same command again, without --resume: names the option to add
+    res, text = cli_run(args)  # the same command again, without --resume: names the option to add
     assert res.exit_code == 2 and "already holds checkpoints" in text and "continue that run with --resume or" in text
     _truncate(latest_checkpoint(tmp_path / "run") / "train_state" / "optimizer.pt")
-    res, text = _cli(args + ["--resume"])
+    res, text = cli_run(args + ["--resume"])
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "--resume" in text and "optimizer.pt" in text
-    res, text = _cli(args[:-1] + [str(data)])  # --out naming an existing file
+    res, text = cli_run(args[:-1] + [str(data)])  # --out naming an existing file
     assert res.exit_code == 2 and "--out" in text and "is a file" in text
 
 
@@ -159,7 +146,7 @@ def test_cli_generate_with_a_corrupt_model_or_misfit_policy_exits_2(cli_inputs, 
     bad = tmp_path / "bad"
     shutil.copytree(model, bad)
     _truncate(bad / "model.safetensors")
-    res, text = _cli(["generate", "--model", str(bad), "hello", "-n", "2"])
+    res, text = cli_run(["generate", "--model", str(bad), "hello", "-n", "2"])
     assert res.exit_code == 2 and "Traceback" not in res.output and "model.safetensors" in text
     misfit = tmp_path / "misfit"
     shutil.copytree(model, misfit)
@@ -167,7 +154,7 @@ def test_cli_generate_with_a_corrupt_model_or_misfit_policy_exits_2(cli_inputs, 
     meta["policy"] = {"type": "linear_decay", "num_layers": 30, "max_layers": 20, "min_layers": 10,
                       "warmup_layers": 1, "horizon": 10}
     (misfit / "skipdecode.json").write_text(json.dumps(meta))
-    res, text = _cli(["generate", "--model", str(misfit), "hello", "-n", "2"])
+    res, text = cli_run(["generate", "--model", str(misfit), "hello", "-n", "2"])
     assert res.exit_code == 2 and "Traceback" not in res.output and "skipdecode.json" in text
 
 
@@ -234,7 +221,7 @@ def test_cli_train_interrupted_says_how_to_resume_and_keeps_n_checkpoints(cli_in
     monkeypatch.setattr(loop._Run, "run", run)
     model, data = cli_inputs
     out = tmp_path / "run"
-    res, text = _cli(["train", "--model", str(model), "--data", str(data), "--speedup", "2", "--max-steps", "6",
+    res, text = cli_run(["train", "--model", str(model), "--data", str(data), "--speedup", "2", "--max-steps", "6",
                       "--batch-size", "2", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--no-progress",
                       "--val-fraction", "0", "--out", str(out)])
     assert res.exit_code == {"ctrl-c": 130, "sigterm": 143}[how], res.output

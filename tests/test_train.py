@@ -68,6 +68,25 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def cli_run(args: list[str]):
+    """``skipdecode ARGS`` through typer's test runner: (the result, its output on one line)."""
+    from typer.testing import CliRunner
+
+    from skipdecode.cli import app
+
+    res = CliRunner().invoke(app, args)
+    return res, " ".join(res.output.split())
+
+
+def saved_cli_inputs(root: Path) -> tuple[Path, Path]:
+    """A tiny model saved under ``root / "model"`` and :func:`examples` as a prompt/response JSONL
+    file beside it: the ``--model`` and ``--data`` of CLI training tests."""
+    tiny_skipmodel().save_pretrained(root / "model")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
+    return root / "model", data
+
+
 def cfg(out: Path, **kw) -> TrainConfig:
     base = dict(out_dir=str(out), speedup=2.0, batch_size=2, max_steps=3, lr=1e-3, progress=False, warmup_ratio=0.0)
     base.update(kw)

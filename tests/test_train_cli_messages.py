@@ -14,28 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from test_train import examples, tiny_skipmodel
+from test_train import cli_run, saved_cli_inputs
 
 from skipdecode.cli_train import summary_line
 from skipdecode.train import TrainResult
 
 
-def _cli(args):
-    from typer.testing import CliRunner
-
-    from skipdecode.cli import app
-
-    res = CliRunner().invoke(app, args)
-    return res, " ".join(res.output.split())
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("msg")
-    tiny_skipmodel().save_pretrained(root / "model")
-    data = root / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples()))
-    return root / "model", data
+    return saved_cli_inputs(tmp_path_factory.mktemp("msg"))
 
 
 def _args(model, data, out, *extra):
@@ -87,16 +74,16 @@ def test_cli_summary_after_a_resume_and_after_a_finished_run(inputs, tmp_path, m
         return real_run(self, stop_at_2)
 
     monkeypatch.setattr(loop._Run, "run", run)
-    res, _ = _cli(args)
+    res, _ = cli_run(args)
     assert res.exit_code == 130, res.output
     monkeypatch.setattr(loop._Run, "run", real_run)
-    res, text = _cli(args + ["--resume"])
+    res, text = cli_run(args + ["--resume"])
     assert res.exit_code == 0, res.output
     log = json.loads((out / "train_record.json").read_text())["train_log"]
     total, session = sum(r["tokens"] for r in log), sum(r["tokens"] for r in log[2:])
     assert 0 < session < total
     assert f"run: 4 of 4 steps, {total} tokens | this session (resumed from step 2): 2 steps, {session} tokens, " in text
-    res, text = _cli(args + ["--resume"])
+    res, text = cli_run(args + ["--resume"])
     assert res.exit_code == 0, res.output
     line = next(ln for ln in res.output.splitlines() if "complete" in ln)
     assert line.startswith(f"run already complete: 4 of 4 steps, {total} tokens; nothing trained in this session")
@@ -117,7 +104,7 @@ def test_interrupted_while_loading_says_so(inputs, tmp_path, monkeypatch, how, s
 
     monkeypatch.setattr(cli_train, "load_model", load_model)
     model, data = inputs
-    res, text = _cli(_args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1"))
+    res, text = cli_run(_args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1"))
     assert res.exit_code == status, res.output
     assert text == "training interrupted while loading the model; nothing was written"
     assert not (tmp_path / "run").exists()
@@ -164,7 +151,7 @@ def test_a_real_sigint_while_loading_exits_130_with_one_line(inputs, tmp_path):
 ])
 def test_schedule_and_teacher_errors_name_the_options(inputs, tmp_path, extra, words):
     model, data = inputs
-    res, text = _cli(_args(model, data, tmp_path / "run", "--max-steps", "1", *extra))
+    res, text = cli_run(_args(model, data, tmp_path / "run", "--max-steps", "1", *extra))
     assert res.exit_code == 2, res.output
     assert words in text and "Traceback" not in res.output
 
@@ -172,7 +159,7 @@ def test_schedule_and_teacher_errors_name_the_options(inputs, tmp_path, extra, w
 def test_distill_answers_from_names_the_distill_option(inputs, tmp_path):
     model, data = inputs
     (tmp_path / "ckpt").mkdir()
-    res, text = _cli(_args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1",
+    res, text = cli_run(_args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1",
                            "--distill-answers-from", str(tmp_path / "ckpt")))
     assert res.exit_code == 2, res.output
     assert text.startswith("error: --distill-answers-from needs distill=True, i.e. --distill (")
@@ -182,11 +169,11 @@ def test_resume_with_other_data_names_both_files(inputs, tmp_path):
     model, data = inputs
     out = tmp_path / "run"
     args = ["--speedup", "2", "--max-steps", "3", "--checkpoint-every", "1"]
-    res, _ = _cli(_args(model, data, out, *args))
+    res, _ = cli_run(_args(model, data, out, *args))
     assert res.exit_code == 0, res.output
     other = tmp_path / "other.jsonl"
     other.write_text(Path(data).read_text().replace("French", "Thai"))
-    res, text = _cli(_args(model, other, out, *args, "--resume"))
+    res, text = cli_run(_args(model, other, out, *args, "--resume"))
     assert res.exit_code == 2, res.output
     assert text.startswith(f"error: --resume cannot continue with other training data: {out}/checkpoint-00000003 "
                            f"trained on {data} (sha256 ")

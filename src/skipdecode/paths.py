@@ -45,16 +45,22 @@ def portable(text: str) -> str:
     return text
 
 
+def _map_strings(obj: Any, fn) -> Any:
+    """A copy of a JSON-like record (dicts, lists, strings, numbers) with ``fn`` applied to
+    every string, dict keys included (tuples become lists, as JSON writes them)."""
+    if isinstance(obj, str):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {fn(k) if isinstance(k, str) else k: _map_strings(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_strings(v, fn) for v in obj]
+    return obj
+
+
 def portable_record(obj: Any) -> Any:
     """A copy of a JSON-like record (dicts, lists, strings, numbers) with :func:`portable`
     applied to every string (dict keys included)."""
-    if isinstance(obj, str):
-        return portable(obj)
-    if isinstance(obj, dict):
-        return {portable(k) if isinstance(k, str) else k: portable_record(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [portable_record(v) for v in obj]
-    return obj
+    return _map_strings(obj, portable)
 
 
 def portable_here(obj: Any) -> Any:
@@ -70,13 +76,7 @@ def portable_here(obj: Any) -> Any:
         text = portable(text)
         return text if here == os.sep else re.sub(re.escape(prefix), "", text)
 
-    if isinstance(obj, str):
-        return rewrite(obj)
-    if isinstance(obj, dict):
-        return {rewrite(k) if isinstance(k, str) else k: portable_here(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [portable_here(v) for v in obj]
-    return obj
+    return _map_strings(obj, rewrite)
 
 
 def loadable_path(path: str | os.PathLike) -> str:
