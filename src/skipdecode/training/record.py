@@ -85,7 +85,8 @@ def skip_config_record(extra: dict[str, Any], base_model: str | None) -> dict[st
     ``base_model`` set to ``base_model`` as :func:`skipdecode.paths.loadable_path` writes it: a
     LoRA adapter's ``base_model`` is where :func:`skipdecode.load` finds its base, so a local
     folder is written relative only when that relative path, read from the current directory,
-    still names it (run ``skipdecode`` from the same folder, usually the repository, to load it).
+    still names it (:func:`skipdecode.load` also looks a relative base up from the run folder's
+    ancestors, which hold the folder it ran in when ``--out`` was relative).
     A model id or None is kept as it is."""
     from ..paths import loadable_path, portable_here
 
