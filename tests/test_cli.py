@@ -473,7 +473,10 @@ def test_a_bad_model_path_is_named_as_the_model_option(runner, tmp_path, command
     on every command that loads one, before anything runs."""
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
-    args = {"generate": ["generate", "x", "-n", "1"], "eval": ["eval", "--limit", "1", "--out", str(tmp_path / "o")],
+    items = tmp_path / "items.jsonl"  # eval reads its data before the model: no shared data folder needed
+    items.write_text(json.dumps({"prompt": "name[The Eagle]", "references": ["The Eagle."]}) + "\n")
+    args = {"generate": ["generate", "x", "-n", "1"],
+            "eval": ["eval", "--data", str(items), "--limit", "1", "--out", str(tmp_path / "o")],
             "bench": ["bench", "--output", str(tmp_path / "b.json")]}[command]
     for model, detail in ((str(text), "neither a directory nor a .gguf file"),
                           (str(tmp_path / "gone.gguf"), "GGUF file not found")):
