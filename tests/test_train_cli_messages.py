@@ -147,7 +147,7 @@ def test_a_real_sigint_while_loading_exits_130_with_one_line(inputs, tmp_path):
     (["--max-layers", "4", "--warmup-layers", "4"],
      "error: --warmup-layers must be < --min-layers (4) so that the top layer always runs, got 4; --min-layers "
      "defaults to --max-layers (model has 6 layers)"),
-    (["--speedup", "2", "--teacher", "x"], "error: --teacher needs kl_weight > 0, i.e. --kl-weight W"),
+    (["--speedup", "2", "--teacher", "x"], "error: --teacher needs --kl-weight W (the teacher only enters the KL term)"),
 ])
 def test_schedule_and_teacher_errors_name_the_options(inputs, tmp_path, extra, words):
     model, data = inputs
@@ -162,7 +162,7 @@ def test_distill_answers_from_names_the_distill_option(inputs, tmp_path):
     res, text = cli_run(_args(model, data, tmp_path / "run", "--speedup", "2", "--max-steps", "1",
                            "--distill-answers-from", str(tmp_path / "ckpt")))
     assert res.exit_code == 2, res.output
-    assert text.startswith("error: --distill-answers-from needs distill=True, i.e. --distill (")
+    assert text.startswith("error: --distill-answers-from needs --distill (it supplies the teacher's answers)")
 
 
 def test_resume_with_other_data_names_both_files(inputs, tmp_path):

@@ -174,6 +174,7 @@ def _with_options(reason: str, option) -> str:
     option (``option(field)``): ``must be <= max_layers (10)`` as ``must be <= --max-layers (10)``
     (``must be < min_layers`` too), ``min_layers defaults to max_layers`` and ``warmup_layers=1``
     as options,
+    ``needs distill=True, i.e. --distill`` as ``needs --distill``,
     ``cannot be combined with speedup`` as ``... with --speedup``, ``resume=True (--resume on
     the command line)`` as ``--resume``, ``needs lora_r >= 1`` as ``needs --lora-r R (R >= 1)``, and the
     missing schedule's fields as options. Only these phrasings are rewritten, so paths and quoted
@@ -187,6 +188,7 @@ def _with_options(reason: str, option) -> str:
     reason = reason.replace("give speedup, speedups, or max_layers/min_layers (speedup=1 for full depth)",
                             "give --speedup, --speedups, or --max-layers/--min-layers (--speedup 1 for full depth)")
     reason = re.sub(r"\bwarmup_layers=(\d+)", r"--warmup-layers \1", reason)
+    reason = re.sub(r"\b[a-z_]+(?:=\w+| > 0), i\.e\. (?=--)", "", reason)  # "distill=True, i.e. --distill": the option
     return re.sub(r"\b(must be <=?|cannot be combined with) (" + "|".join(fields) + r")\b(?![\w/=])",
                   lambda m: f"{m.group(1)} {option(m.group(2))}", reason)
 

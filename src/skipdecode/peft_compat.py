@@ -17,7 +17,8 @@ import contextlib
 import warnings
 from typing import Iterator
 
-__all__ = ["PEFT_CHECKPOINTING_WARNING", "quiet_peft_checkpointing_warning"]
+__all__ = ["PEFT_CHECKPOINTING_WARNING", "PEFT_SAVE_LOOKUP_WARNINGS", "quiet_peft_checkpointing_warning",
+           "quiet_peft_save_lookup"]
 
 #: Start of the message of transformers' FutureWarning that peft triggers (a regular expression).
 PEFT_CHECKPOINTING_WARNING = r"`is_gradient_checkpointing` is deprecated"
@@ -34,4 +35,24 @@ def quiet_peft_checkpointing_warning() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=PEFT_CHECKPOINTING_WARNING, category=FutureWarning,
                                 module=r"transformers\.modeling_utils")
+        yield
+
+
+#: Starts of peft's two ``UserWarning``s when ``PeftModel.save_pretrained`` cannot tell whether the
+#: base model's vocabulary changed (``save_embedding_layers="auto"`` looks for the base's
+#: ``config.json`` locally, then on the hub): the embedded model's base has no such folder and
+#: this project's machines no hub. peft then assumes an unchanged vocabulary, which is right here:
+#: training never resizes the embeddings.
+PEFT_SAVE_LOOKUP_WARNINGS = (r"Unable to fetch remote file", r"Could not find a config file in")
+
+
+@contextlib.contextmanager
+def quiet_peft_save_lookup() -> Iterator[None]:
+    """Within the block, ignore only peft's two ``UserWarning``s about looking up the base
+    model's ``config.json`` while saving a LoRA adapter (:data:`PEFT_SAVE_LOOKUP_WARNINGS`; they
+    printed this machine's paths into every checkpoint's progress bar); every other warning is
+    shown as before. Uses ``warnings.catch_warnings`` (undone on exit)."""
+    with warnings.catch_warnings():
+        for message in PEFT_SAVE_LOOKUP_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"peft\.")
         yield

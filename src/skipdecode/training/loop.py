@@ -40,6 +40,7 @@ from .loss import SkipLossModule, position_weights, target_logits
 from .prepare import choose_horizon, load_run_data, teacher_answers, tokenize_run
 from .record import TrainResult, skip_config_record
 from .start import prepare_start_model, trainable_for_full_fine_tuning
+from ..peft_compat import quiet_peft_save_lookup
 from ..generate import _eos_ids
 from ..loading import warn_if_slow_bfloat16
 from .on_policy import load_init_bridge, load_init_lora, on_policy_rows, on_policy_targets, student_answers
@@ -401,9 +402,11 @@ class _Run:
         kept = {k: v for k, v in self.sk.skip_config.items() if k not in ("training", "losses", "data")}
         sk_save = SkipModel(hf_inner, self.tokenizer, policy=self.policies[0][1], chat=self.chat,
                             source=self.base_name or "", skip_config=kept)
-        if self.peft_model is not None:
-            sk_save.model = inner_model  # PeftModel.save_pretrained writes only the adapter
-        return sk_save.save_pretrained(target, extra=self.skip_config_extra(step))
+        if self.peft_model is None:
+            return sk_save.save_pretrained(target, extra=self.skip_config_extra(step))
+        sk_save.model = inner_model  # PeftModel.save_pretrained writes only the adapter
+        with quiet_peft_save_lookup():
+            return sk_save.save_pretrained(target, extra=self.skip_config_extra(step))
 
     def save_checkpoint(self, step: int) -> Path:
         """Checkpoint ``out_dir/checkpoint-<step>`` (model + train_state), written atomically."""
