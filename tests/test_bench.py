@@ -17,6 +17,7 @@ from skipdecode.bench import (
     parse_int_list,
     profile_decode,
     results_table,
+    schedule_cell,
     profile_table,
     run_benchmark,
     write_plot,
@@ -277,3 +278,23 @@ def test_cpu_description_reads_the_first_processor(tmp_path):
     info.write_text("cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_vnni\n")
     assert cpu_description(info)["avx512"] is False  # avx512f itself, not any avx512 extension's name
     assert cpu_description(tmp_path / "missing") == {}
+
+
+def test_the_table_shows_each_rows_schedule(result):
+    """The table's schedule column tells a trained schedule (full-depth first steps) from the
+    generic one of the same speedup, and shows each row's own decay."""
+    from rich.console import Console
+
+    assert schedule_cell({"type": "full", "num_layers": 30}) == "30"
+    assert schedule_cell({"type": "linear_decay", "num_layers": 30, "max_layers": 21, "min_layers": 9,
+                          "warmup_layers": 1, "horizon": 8}) == "21->9 over 8"
+    assert schedule_cell({"type": "linear_decay", "num_layers": 30, "max_layers": 25, "min_layers": 5,
+                          "warmup_layers": 1, "horizon": 4, "full_depth_steps": 14}) == "14 at 30, then 25->5 over 4"
+    console = Console(width=250, record=True)
+    console.print(results_table(result))
+    text = console.export_text()
+    for r in result["rows"]:
+        if r["engine"] != "hf" and r["policy"] != "full":
+            c = r["policy_config"]
+            assert f"{c['max_layers']}->{c['min_layers']} over {c['horizon']}" in text
+

@@ -44,7 +44,7 @@ Where each piece lives (every name below is re-exported here, so ``from skipdeco
 * :mod:`.clock`: timing primitives (device sync, the per-part clock and the instrumented loop).
 * :mod:`.runner`: :func:`run_benchmark` (our engine and HF ``generate``, interleaved).
 * :mod:`.profile`: :func:`profile_decode`, :func:`weight_bytes`, :data:`PROFILE_PARTS`.
-* :mod:`.report`: :func:`results_table`, :func:`profile_table`, :func:`write_results`,
+* :mod:`.report`: :func:`results_table` (with :func:`schedule_cell`), :func:`profile_table`, :func:`write_results`,
   :func:`write_plot`.
 """
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from .inputs import DEFAULT_OUTPUT, DEFAULT_PROMPTS, batch_prompts, parse_float_list, parse_int_list
 from .profile import PROFILE_PARTS, profile_decode, weight_bytes  # noqa: F401  (PROFILE_PARTS: public, not in __all__)
-from .report import profile_table, results_table, write_plot, write_results
+from .report import profile_table, results_table, schedule_cell, write_plot, write_results
 from .runner import run_benchmark
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "profile_decode",
     "weight_bytes",
     "results_table",
+    "schedule_cell",
     "profile_table",
     "write_results",
     "write_plot",

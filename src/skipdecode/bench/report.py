@@ -24,6 +24,22 @@ def _table(title: str):
     return Table(title=title, title_justify="left")
 
 
+def schedule_cell(policy: dict[str, Any] | None) -> str:
+    """A benchmark row's schedule, short: ``"30"`` (full depth), ``"21->9 over 8"`` (linear
+    decay from ``max_layers`` to ``min_layers`` over ``horizon`` tokens), ``"14 at 30, then 25->5
+    over 4"`` with full-depth first steps (METHOD.md "The schedule"), so a trained schedule and the
+    generic one of the same speedup read apart; "-" for HF's rows (no policy), else the dict."""
+    if not policy:
+        return "-"
+    if policy.get("type") == "full":
+        return str(policy.get("num_layers", "full"))
+    if policy.get("type") == "linear_decay":
+        decay = f"{policy['max_layers']}->{policy['min_layers']} over {policy['horizon']}"
+        first = policy.get("full_depth_steps") or 0
+        return f"{first} at {policy['num_layers']}, then {decay}" if first else decay
+    return str(policy)
+
+
 def results_table(result: dict[str, Any]):
     """A ``rich.table.Table`` of the benchmark rows (the CLI prints it)."""
     meta = result["meta"]
@@ -33,7 +49,7 @@ def results_table(result: dict[str, Any]):
         f"median of {meta['repeats']}"
     )
     for col, justify in (
-        ("batch", "right"), ("policy", "left"), ("mean layers", "right"), ("theoretical", "right"),
+        ("batch", "right"), ("policy", "left"), ("schedule", "left"), ("mean layers", "right"), ("theoretical", "right"),
         ("step ms", "right"), ("tok/s", "right"), ("wall speedup", "right"), ("wall/theo", "right"),
         ("ours-full vs HF", "right"), ("TTFT ms", "right"),
     ):
@@ -52,6 +68,7 @@ def results_table(result: dict[str, Any]):
         table.add_row(
             str(r["batch_size"]),
             "HF generate" if hf else r["policy"],
+            "-" if hf else schedule_cell(r.get("policy_config")),
             f"{r['mean_active_layers']:.1f}/{r['num_layers']}",
             _fmt(r["theoretical_speedup"], ".2f", "x"),
             _fmt(r["step_ms"], ".1f"),
