@@ -9,7 +9,7 @@ import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-from skipdecode import loading
+from skipdecode import hub_loading, loading
 from skipdecode.loading import LoadError
 
 
@@ -37,7 +37,7 @@ def hub(monkeypatch):
         if state["info"] is not None:
             raise state["info"]
 
-    monkeypatch.setattr(loading, "_from_pretrained", from_pretrained)
+    monkeypatch.setattr(hub_loading, "_from_pretrained", from_pretrained)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     return state
@@ -45,14 +45,14 @@ def hub(monkeypatch):
 
 def test_a_cached_model_loads_without_the_network(hub):
     hub["cached"] = True
-    assert loading._from_hub("org/model", torch.float32) == ("model", "tokenizer")
+    assert hub_loading._from_hub("org/model", torch.float32) == ("model", "tokenizer")
     assert hub["loads"] == [True] and hub["infos"] == []
 
 
 def test_an_unreachable_hub_fails_at_once_without_a_download_attempt(hub):
     hub["info"] = ConnectionError("[Errno -2] Name or service not known")
     with pytest.raises(LoadError, match=r"'org/model'.*not in the Hugging Face cache.*cannot be reached.*Name or service"):
-        loading._from_hub("org/model", torch.float32)
+        hub_loading._from_hub("org/model", torch.float32)
     assert hub["loads"] == [True]  # the cache only: from_pretrained's retries never start
     assert hub["infos"] == [("org/model", 10)]
 
@@ -60,21 +60,21 @@ def test_an_unreachable_hub_fails_at_once_without_a_download_attempt(hub):
 def test_a_model_the_hub_does_not_have_is_named(hub):
     hub["info"] = _hub_error(RepositoryNotFoundError)
     with pytest.raises(LoadError, match=r"'nobody/none'.*the hub has no model of that name.*hf auth login"):
-        loading._from_hub("nobody/none", torch.float32)
+        hub_loading._from_hub("nobody/none", torch.float32)
     assert hub["loads"] == [True]
 
 
 @pytest.mark.parametrize("info", [None, "gated"])
 def test_a_model_on_the_hub_is_downloaded(hub, info):
     hub["info"] = _hub_error(GatedRepoError) if info else None  # gated: the download uses the token
-    assert loading._from_hub("org/model", torch.float32) == ("model", "tokenizer")
+    assert hub_loading._from_hub("org/model", torch.float32) == ("model", "tokenizer")
     assert hub["loads"] == [True, False]
 
 
 def test_hf_hub_offline_skips_the_request(hub, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(LoadError, match="HF_HUB_OFFLINE is set"):
-        loading._from_hub("org/model", torch.float32)
+        hub_loading._from_hub("org/model", torch.float32)
     assert hub["infos"] == []
 
 
@@ -82,9 +82,9 @@ def test_a_failed_download_is_a_load_error(hub, monkeypatch):
     def from_pretrained(name, dtype, **kwargs):
         raise OSError("disk full\nmore detail")
 
-    monkeypatch.setattr(loading, "_from_pretrained", from_pretrained)
+    monkeypatch.setattr(hub_loading, "_from_pretrained", from_pretrained)
     with pytest.raises(LoadError, match=r"the download failed \(disk full\)$"):
-        loading._from_hub("org/model", torch.float32)
+        hub_loading._from_hub("org/model", torch.float32)
 
 
 def test_load_routes_a_model_id_through_the_hub_path(hub):
