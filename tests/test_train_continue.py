@@ -145,3 +145,18 @@ def test_saving_a_lora_run_prints_no_base_config_lookup_warnings(tmp_path):
     messages = [str(w.message) for w in seen]
     assert not [m for m in messages if m.startswith(("Unable to fetch remote file", "Could not find a config file"))]
     assert "a warning of our own" in messages
+
+
+def test_full_fine_tuning_keeps_a_callers_frozen_weights_and_refuses_a_wholly_frozen_model(tmp_path):
+    """Weights the caller froze stay as they are; a model with nothing to train is refused by
+    name (it failed deep in the backward pass)."""
+    sk = tiny_skipmodel()
+    embed = sk.model.get_input_embeddings().weight
+    embed.requires_grad_(False)
+    before = embed.detach().clone()
+    train(sk, examples(), cfg(tmp_path / "part", lr=1e-2, max_steps=2))
+    assert torch.equal(sk.model.get_input_embeddings().weight.detach(), before)
+    frozen = tiny_skipmodel()
+    frozen.model.requires_grad_(False)
+    with pytest.raises(TrainConfigError, match="no trainable weight"):
+        train(frozen, examples(), cfg(tmp_path / "none", max_steps=1))

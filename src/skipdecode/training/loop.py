@@ -182,7 +182,7 @@ class _Run:
             inner = self.peft_model.base_model.model  # the HF model, LoRA layers injected in place
             trainable: nn.Module = self.peft_model
         else:
-            inner = trainable = trainable_for_full_fine_tuning(hf_model)  # a merged LoRA arrives frozen
+            inner = trainable = trainable_for_full_fine_tuning(hf_model)  # refuses a wholly frozen model
         adapter = get_adapter(inner)
         if c.kl_weight > 0 and self.peft_model is not None and self.own_teacher is None:
             self.teacher_adapter = adapter  # run under peft_model.disable_adapter(): the frozen base

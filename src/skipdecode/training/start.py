@@ -3,10 +3,11 @@
 A run may start from any model :func:`skipdecode.load` reads, a finished run's ``final/``
 included. A LoRA run's ``final/`` holds only the adapter: ``load`` merges it into its base
 (``W + (alpha / r) B A``) through peft, whose merge leaves every base weight with
-``requires_grad=False``. Full fine-tuning (``lora_r == 0``) therefore switches every parameter
-back on (:func:`trainable_for_full_fine_tuning`), so a full run continues from the merged
-weights and trains all of them. A decode-only adapter (trained with ``base_prefill``) prefills
-with other weights than it decodes with, which one trained model cannot hold: such a start is
+``requires_grad=False``; ``load`` switches them back on, so a full run (``lora_r == 0``) continues
+from the merged weights and trains all of them, and a model with no trainable weight at all is
+refused by name (:func:`trainable_for_full_fine_tuning`). A decode-only adapter (trained with
+``base_prefill``) prefills with other weights than it decodes with, which one trained model
+cannot hold: such a start is
 refused before any work (:func:`prepare_start_model`), naming the LoRA run that continues it.
 
 Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.train`).
@@ -14,7 +15,6 @@ Part of the :mod:`skipdecode.training` package (re-exported by :mod:`skipdecode.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from torch import nn
@@ -23,23 +23,19 @@ from .config import TrainConfig, TrainConfigError
 
 __all__ = ["prepare_start_model", "trainable_for_full_fine_tuning"]
 
-log = logging.getLogger("skipdecode.train")
-
 
 def trainable_for_full_fine_tuning(hf_model: nn.Module) -> nn.Module:
-    """Set ``requires_grad`` on every parameter of ``hf_model`` (in place) and return it.
+    """``hf_model`` for full fine-tuning: the weights whose ``requires_grad`` is set train, so a
+    caller's own freezing (e.g. of the embeddings) is kept. :func:`skipdecode.load` returns every
+    weight trainable, a merged LoRA adapter's included (peft's merge left them frozen, the fault
+    this once worked around here).
 
-    Full fine-tuning trains every weight; a model whose weights arrive frozen (a LoRA adapter
-    merged into its base by :func:`skipdecode.load`, or a caller's frozen model) would otherwise
-    give a loss with no gradient. The entry bridge lives outside the module tree
-    (:func:`skipdecode.entry_bridge.attach_entry_bridge`), so it keeps its own setting. Logs how
-    many parameters were frozen (info level) when any were. Never raises."""
-    frozen = [p for p in hf_model.parameters() if not p.requires_grad]
-    if frozen:
-        log.info("full fine-tuning: %d of %d parameter tensors arrived frozen (e.g. a merged LoRA adapter); "
-                 "all of them train", len(frozen), sum(1 for _ in hf_model.parameters()))
-    for p in frozen:
-        p.requires_grad_(True)
+    Raises:
+        TrainConfigError: (field ``base_model``, the CLI's ``--model``) no weight of ``hf_model``
+            requires grad, so a step would have no gradient (it failed deep in the backward pass)."""
+    if not any(p.requires_grad for p in hf_model.parameters()):
+        raise TrainConfigError("base_model", "has no trainable weight (every parameter has requires_grad=False): "
+                                             "unfreeze the weights to fine-tune, or give --lora-r R")
     return hf_model
 
 
