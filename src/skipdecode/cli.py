@@ -14,7 +14,6 @@ import typer
 from rich.markup import escape
 
 from .jsonio import dumps
-from .logprobs import check_logprobs, logprobs_record
 
 app = typer.Typer(
     help="SkipDecode (arXiv 2307.02628): batch- and KV-cache-compatible layer skipping for fast decoding.",
@@ -126,6 +125,7 @@ def generate(
     set_threads(threads)
     all_prompts = _collect_prompts(prompts, prompts_file)
     from .generate import generate as run_generate
+    from .logprobs import check_logprobs
 
     sampling = sampling_from_options(temperature, top_k, top_p, seed, repetition_penalty, frequency_penalty,
                                      presence_penalty)
@@ -213,6 +213,8 @@ def _print_generation(result, single: bool, as_json: bool, tokenizer) -> None:
         record = {"texts": result.texts, "finish_reasons": result.finish_reasons,
                   "token_ids": result.token_ids, "stats": result.stats()}
         if result.logprobs is not None:
+            from .logprobs import logprobs_record
+
             record["logprobs"] = [logprobs_record(entries, tokenizer) for entries in result.logprobs]
         print(dumps(record))
         return
