@@ -203,6 +203,25 @@ def test_bad_sampling_parameters(sk, field, kwargs):
         sk.generate("The Eagle", max_new_tokens=2, **kwargs)
 
 
+def test_whole_number_sampling_values_sample_as_their_floats(sk):
+    """``temperature=1`` is 1.0 (Hugging Face's warpers refuse an int: "has to be a strictly
+    positive float"), in ``SkipModel.generate`` and in a row's ``SamplingParams``."""
+    as_int = sk.generate(PROMPTS, max_new_tokens=8, policy=SKIP, temperature=2, top_p=1, seed=5, repetition_penalty=2)
+    as_float = sk.generate(PROMPTS, max_new_tokens=8, policy=SKIP, temperature=2.0, top_p=1.0, seed=5,
+                           repetition_penalty=2.0)
+    assert as_int.token_ids == as_float.token_ids
+    assert type(SamplingParams(temperature=1, frequency_penalty=1).temperature) is float
+    rows = [SamplingParams(temperature=1, seed=0), SamplingParams(temperature=1.0, seed=0)]
+    out = generate(sk.adapter, sk.tokenizer, [PROMPTS[0]] * 2, sampling=rows, policy=SKIP, max_new_tokens=8)
+    assert out.token_ids[0] == out.token_ids[1]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "frequency_penalty"])
+def test_a_boolean_sampling_value_is_refused_naming_it(sk, field):
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        sk.generate("The Eagle", max_new_tokens=2, **{field: True})
+
+
 # --------------------------------------------------------------------------------------------
 # chat template, prompt validation
 # --------------------------------------------------------------------------------------------
@@ -329,6 +348,51 @@ def test_stream_deltas_concatenate_to_final_text(sk, policy):
         (policy or FullPolicy(NUM_LAYERS)).active_layers(t) for t in range(1, len(chunks))
     ]
     assert [c.active_layers for c in chunks] == expected_layers
+
+
+def test_stream_chunks_mark_every_end_and_its_reason(chain_sk):
+    """A row that ends on ``max_new_tokens`` is finished in the last chunk (it read False before),
+    with its reason: each chunk's ``finish_reasons`` is None while a row runs, then the result's
+    reason (the chain model's row ends on EOS, the others on the length, one row on a stop string)."""
+    prompts = [CHAIN_PROMPT, "The Eagle", CHAIN_PROMPT]
+    kw = dict(max_new_tokens=4, policy=SKIP)
+    full = chain_sk.generate(prompts, max_new_tokens=12, policy=SKIP)
+    budget = max(full.new_tokens) - 1  # the longest answer's EOS does not fit: that row ends on the length
+    chunks = list(chain_sk.stream_generate(prompts, max_new_tokens=budget, policy=SKIP, stop=["never"]))
+    res = chain_sk.generate(prompts, max_new_tokens=budget, policy=SKIP)
+    assert chunks[-1].finished == [True] * 3 and chunks[-1].finish_reasons == res.finish_reasons
+    assert "length" in res.finish_reasons and "eos" in res.finish_reasons
+    short = list(chain_sk.stream_generate(prompts, **kw, n=2))
+    assert [c.finished for c in short[:-1]] == [[False] * 6] * 3 and short[-1].finished == [True] * 6
+    assert [c.finish_reasons for c in short] == [[None] * 6] * 3 + [["length"] * 6]
+    stopped = list(chain_sk.stream_generate(prompts[:1], max_new_tokens=12, policy=SKIP, stop=["coffee"]))
+    ends = [i for i, c in enumerate(stopped) if c.finished[0]]
+    assert stopped[ends[0]].finish_reasons == ["stop"] and all(c.finish_reasons == [None] for c in stopped[:ends[0]])
+    seen = []  # in flight (max_batch_size): the same flags and reasons per row
+    inflight = generate(chain_sk.adapter, chain_sk.tokenizer, prompts, max_batch_size=2, on_chunk=seen.append,
+                        max_new_tokens=budget, policy=SKIP)
+    for row, reason in enumerate(inflight.finish_reasons):
+        flags = [c.finished[row] for c in seen]
+        first = flags.index(True)
+        assert all(flags[first:]) and [c.finish_reasons[row] for c in seen[first:]] == [reason] * (len(seen) - first)
+        assert all(c.finish_reasons[row] is None for c in seen[:first])
+    assert inflight.finish_reasons == res.finish_reasons
+
+
+def test_generate_step_refuses_a_right_padded_batch(sk, tokenizer):
+    """A tokenizer pads on the right by default; generate_step would decode the short row after
+    its padding (a wrong answer, silently). It is refused naming the row and the way out."""
+    left_ids, left_mask = encode_prompts(tokenizer, PROMPTS[:2])
+    right_ids = torch.stack([torch.roll(i, -int((m == 0).sum())) for i, m in zip(left_ids, left_mask)])
+    right_mask = torch.stack([torch.roll(m, -int((m == 0).sum())) for m in left_mask])
+    short = int(right_mask.sum(-1).argmin())
+    with pytest.raises(ValueError, match=f"left-padded .* row {short} is .*padding_side = 'left'.*encode_prompts"):
+        next(generate_step(sk.adapter, right_ids, right_mask, max_new_tokens=2))
+    for bad in (torch.zeros_like(left_mask), torch.full_like(left_mask, 2)):  # an empty row, a non-0/1 value
+        with pytest.raises(ValueError, match="attention_mask must be left-padded"):
+            next(generate_step(sk.adapter, left_ids, bad, max_new_tokens=2))
+    steps = list(generate_step(sk.adapter, left_ids, left_mask, max_new_tokens=2))  # the left-padded batch runs
+    assert len(steps) == 2
 
 
 def test_on_chunk_sees_every_chunk(sk):

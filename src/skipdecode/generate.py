@@ -123,7 +123,8 @@ def generate_step(
         :class:`StepOutput` per step, until every row is finished or ``max_new_tokens``.
 
     Raises:
-        ValueError: bad shapes, ``max_new_tokens`` < 1, prompts plus ``max_new_tokens`` - 1
+        ValueError: bad shapes, an ``attention_mask`` that is not left-padded (e.g. a tokenizer's
+            default right padding), ``max_new_tokens`` < 1, prompts plus ``max_new_tokens`` - 1
             longer than the model's context (``max_position_embeddings``; see
             :meth:`Adapter.check_context`), a ``policy`` that is not None or a policy object
             or is for another layer count (:func:`skipdecode.policy.check_policy`), or a
@@ -139,6 +140,7 @@ def generate_step(
     B, P = input_ids.shape
     if B == 0 or P == 0:
         raise ValueError("input_ids must hold at least one prompt of at least one token")
+    _check_left_padded(attention_mask)
     adapter.check_context(P, max_new_tokens)
     policy = check_policy(policy, adapter.num_layers)
     device = input_ids.device
@@ -196,6 +198,24 @@ def generate_step(
             all_ids = torch.cat([all_ids, tokens], dim=1)
 
 
+def _check_left_padded(attention_mask: torch.Tensor) -> None:
+    """Refuse a (B, P) ``attention_mask`` that is not left-padded: each row some 0s (padding),
+    then 1s up to its last column. A right-padded batch (Hugging Face tokenizers' default
+    ``padding_side="right"``) would decode every short row after its padding, silently wrong.
+
+    Raises:
+        ValueError: naming the first row that is not left-padded and how to build one.
+    """
+    m = attention_mask
+    ok = ((m == 0) | (m == 1)).all(-1) & (m[:, 1:] >= m[:, :-1]).all(-1) & (m[:, -1] == 1)
+    if not bool(ok.all()):
+        row = int((~ok).nonzero()[0, 0])
+        raise ValueError(
+            f"attention_mask must be left-padded (per row 0s, then 1s up to the last column); row {row} is "
+            f"{m[row].tolist() if m.shape[1] <= 16 else 'not'}: pad on the left (tokenizer.padding_side = "
+            f"'left') or build the batch with skipdecode.generate.encode_prompts")
+
+
 @dataclass
 class StreamChunk:
     """Text produced by one step of :func:`stream_generate`.
@@ -205,10 +225,14 @@ class StreamChunk:
         tokens: (B,) token column (pad id for frozen rows).
         deltas: new text per row at this step ("" for rows that emitted nothing visible).
         active_layers: layers run at this step.
-        finished: per-row finished flags after this step.
+        finished: per-row finished flags after this step (an EOS, a stop string, or the row's
+            ``max_new_tokens``-th token).
         logprobs: when the run asked (``logprobs``), per row the
             :class:`~skipdecode.logprobs.TokenLogprobs` of this step's token (None for a row
             without one, or whose token is left out of the text: EOS, special tokens); else None.
+        finish_reasons: per row, once it has finished, why (``"eos"``, ``"stop"`` or
+            ``"length"``, as :attr:`GenerationResult.finish_reasons`); None while it runs (as
+            mlx-lm's ``GenerationResponse.finish_reason``).
     """
 
     step: int
@@ -217,6 +241,7 @@ class StreamChunk:
     active_layers: tuple[int, ...]
     finished: list[bool]
     logprobs: list | None = None
+    finish_reasons: list[str | None] | None = None
 
 
 @dataclass
@@ -496,18 +521,19 @@ def stream_generate(
             record["decode_steps"] += 1
         column = out.tokens.tolist()
         emitted = out.emitted.tolist()
-        finished_now = out.finished.tolist()
+        last = out.step == max_new_tokens - 1  # every row ends here: "length" unless it ended before
+        finished_now = [f or last for f in out.finished.tolist()]
         deltas = [""] * B
         for row in range(B):
             if emitted[row]:
-                final = finished_now[row] or out.step == max_new_tokens - 1
-                deltas[row] = rows[row].push(column[row], final)
+                deltas[row] = rows[row].push(column[row], finished_now[row])
         step_logprobs = None if logprobs is None else _step_logprobs(rows, out.logits, column, emitted, logprobs)
         if step_logprobs is not None:
             for row, entry in enumerate(step_logprobs):
                 if entry is not None:
                     record["logprobs"][row].append(entry)
-        yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, out.finished.tolist(), step_logprobs)
+        reasons = [r.reason if f else None for r, f in zip(rows, finished_now)]
+        yield StreamChunk(out.step, out.tokens, deltas, out.active_layers, finished_now, step_logprobs, reasons)
     record.update(
         texts=[r.text for r in rows],
         token_ids=[r.ids for r in rows],

@@ -109,7 +109,8 @@ def generate_inflight(
                 step_logprobs[i] = ev.logprobs
         if on_chunk is not None and events:
             on_chunk(StreamChunk(engine.steps - 1 - before[2], column.to(device), deltas,
-                                 _layers_run(events, adapter.num_layers), list(finished), step_logprobs))
+                                 _layers_run(events, adapter.num_layers), list(finished), step_logprobs,
+                                 [t.reason if f else None for t, f in zip(texts, finished)]))
     return GenerationResult(
         texts=[t.text for t in texts],
         token_ids=[t.ids for t in texts],

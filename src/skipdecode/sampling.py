@@ -41,6 +41,10 @@ PENALTY_RANGE = (-2.0, 2.0)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
+#: The fields stored as float whatever number type they were given as (``temperature=1`` is 1.0).
+_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token.
@@ -69,8 +73,11 @@ class SamplingParams:
         The penalties change the logits before greedy choice and before the warpers; a row's
         history is its own prompt (without padding) and its own generated tokens.
 
+    The number fields take ints as their floats (``temperature=1`` is stored as 1.0); booleans
+    are refused.
+
     Raises:
-        ValueError: a field is out of range (the message names it).
+        ValueError: a field is out of range or not a number (the message names it).
     """
 
     temperature: float = 0.0
@@ -82,8 +89,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
@@ -100,6 +108,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
                 raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] (0: off), got {v!r}")
+        for name in _FLOAT_FIELDS:  # a whole number counts as its float (Hugging Face's warpers refuse ints)
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
