@@ -24,13 +24,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
 from conftest import make_chain_model, make_config, make_model, make_tokenizer, model_from_config  # noqa: E402
 import importlib  # noqa: E402
 
 from skipdecode.model import SkipModel  # noqa: E402
-from skipdecode.server import create_app, uvicorn_options  # noqa: E402
+from skipdecode.cli_serve import run_server  # noqa: E402
+from skipdecode.server import create_app  # noqa: E402
 
 
 #: the chain model's prompt and answer (``--chain``)
@@ -108,7 +108,7 @@ def main() -> None:
         config.max_position_embeddings = args.context
         model = model_from_config(config)
     app = create_app(SkipModel(model, tok), "tiny", **kwargs)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", **uvicorn_options())
+    run_server(app, "127.0.0.1", args.port, log_level="warning")  # as `skipdecode serve` runs it
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,12 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str):
+def start_server(*args: str, stderr=None):
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen([sys.executable, str(HERE / "serve_tiny.py"), str(port), *args], env=env,
-                            start_new_session=True)
+                            start_new_session=True, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -167,6 +168,27 @@ def test_huge_prompt_is_refused_before_it_is_read(server):
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and "max_request_bytes" in err["message"]
     assert time.monotonic() - t0 < 10
+
+
+def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(server):
+    """Without a Content-Length (``Transfer-Encoding: chunked``) the limit counts the body as it
+    comes: 15 MB are refused once the first 1 MB has passed, not read and tokenized (the server
+    did that for 12 s, delaying every other request); a chunked body within it is served."""
+    def upload(pieces):
+        def body():
+            yield from pieces
+        return httpx.post(server + "/v1/completions", content=body(), timeout=30,
+                          headers={"content-type": "application/json"})
+
+    t0 = time.monotonic()
+    resp = upload([b'{"prompt": "'] + [b"x " * 25_000] * 300 + [b'", "max_tokens": 1}'])
+    assert resp.request.headers["transfer-encoding"] == "chunked" and "content-length" not in resp.request.headers
+    assert resp.status_code == 413, resp.text
+    assert "over 1000000 bytes" in resp.json()["error"]["message"] and time.monotonic() - t0 < 10
+    small = upload([b'{"prompt": "The Eagle", ', b'"max_tokens": 2, "temperature": 0}'])
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+    plain = httpx.post(server + "/v1/completions", json={"prompt": "The Eagle", "max_tokens": 2}, timeout=30)
+    assert small.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
 
 
 def test_32_concurrent_requests_with_mixed_speedups_get_their_solo_answers(server):
@@ -353,3 +375,56 @@ def test_uvicorn_options_fall_back_to_asyncio_and_h11_without_the_fast_stack(mon
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("uvloop", "httptools") else real(name, *a))
     assert uvicorn_options() == {"loop": "asyncio", "http": "h11"}
+
+
+def _interrupted_while_streaming(max_tokens: int, signals: int) -> tuple[int, str, list[str], float]:
+    """Start a server (0.05 s a step), stream ``max_tokens`` tokens from it, send SIGINT
+    ``signals`` times 0.5 s apart once the first event arrived; return the server's exit status,
+    its stderr, the stream's events and the seconds from the last signal to the exit."""
+    proc, url = start_server("--step-delay", "0.05", stderr=subprocess.PIPE)
+    events: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "The", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+        except httpx.HTTPError:
+            pass  # cut off by a forced exit
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    try:
+        assert first.wait(30)
+        for i in range(signals):
+            if i:
+                time.sleep(0.5)
+            assert proc.poll() is None  # still draining the stream
+            os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        status = proc.wait(timeout=60)
+        waited = time.monotonic() - t0
+        reader.join(timeout=10)
+        return status, proc.stderr.read().decode(), events, waited
+    finally:
+        stop_server(proc)
+
+
+def test_ctrl_c_lets_the_streams_in_flight_finish_then_exits_0():
+    status, err, events, _ = _interrupted_while_streaming(40, signals=1)
+    assert status == 0 and "Traceback" not in err, err
+    assert events[-1] == "[DONE]" and '"finish_reason": "length"' in events[-2]  # the whole answer
+
+
+def test_a_second_ctrl_c_exits_at_once_with_one_line_and_130():
+    """uvicorn's forced exit (a second Ctrl-C) skipped the app's shutdown: the cancelled streams
+    printed about 120 lines of tracebacks and the process aborted (SIGABRT) with the engine thread
+    inside torch. Now it leaves at once with one line."""
+    status, err, events, waited = _interrupted_while_streaming(200, signals=2)
+    assert status == 130 and waited < 5, (status, err)
+    assert "second interrupt" in err and "Traceback" not in err and "CancelledError" not in err, err
+    assert events and "[DONE]" not in events  # the 10-second stream was cut off

@@ -143,10 +143,8 @@ def serve(
         err.file.flush()
         os._exit(130)
     sk.policy = resolve_policy(sk, speedup, max_layers, min_layers, warmup_layers, horizon, full_depth_steps)
-    import uvicorn
-
     from .info import describe_policy
-    from .server import create_app, uvicorn_options
+    from .server import create_app
 
     key_note = "; /v1/ requests need the API key" if api_key is not None else ""
     policy = describe_policy(sk.policy.to_dict(), sk.num_layers)
@@ -157,4 +155,41 @@ def serve(
                       stream_interval=stream_interval, api_key=api_key,
                       policy_defaults={k: v for k, v in (("warmup_layers", warmup_layers), ("horizon", horizon),
                                                          ("full_depth_steps", full_depth_steps)) if v is not None})
-    uvicorn.run(app_, host=host, port=port, log_level="info", **uvicorn_options())
+    run_server(app_, host, port)
+
+
+def run_server(app, host: str, port: int, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn (as ``uvicorn.run``) until a signal stops it.
+
+    The first Ctrl-C (or SIGTERM) stops gracefully, as uvicorn does: no new connections, the
+    requests in flight finish, then the app's shutdown stops the engine thread. A second one
+    while that lasts (uvicorn: "CTRL+C to force quit") exits at once, with one line and status
+    130 (143 for SIGTERM): uvicorn's own forced exit skips the app's shutdown, so the engine
+    thread was still inside torch when the interpreter ended, which printed the cancelled
+    streams' tracebacks and aborted (SIGABRT).
+
+    Raises:
+        SystemExit: 3 (uvicorn's ``STARTUP_FAILURE``) when the server did not start.
+    """
+    import signal
+    import sys
+
+    import uvicorn
+
+    from .server import uvicorn_options
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig in (signal.SIGINT, signal.SIGTERM):
+                sys.stderr.write("second interrupt: exiting now; the requests in flight are cut off\n")
+                sys.stderr.flush()
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, **uvicorn_options()))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on, once stopped (as uvicorn.run)
+        pass
+    if not server.started:
+        raise SystemExit(3)

@@ -112,25 +112,55 @@ def _param_in(message: str, fields: Mapping[str, str]) -> Optional[str]:
 
 
 class _BodyLimit:
-    """ASGI middleware: a body whose Content-Length exceeds ``max_request_bytes`` (bytes) answers
-    413 in OpenAI's error shape before it is read. (A pure ASGI middleware: Starlette's
-    ``BaseHTTPMiddleware`` would hide the client's disconnect from the endpoints.)"""
+    """ASGI middleware: a body over ``max_request_bytes`` (bytes) answers 413 in OpenAI's error
+    shape. A Content-Length over it is refused before the body is read; a body without one
+    (``Transfer-Encoding: chunked``) is read up to the limit and refused as soon as it passes it,
+    else handed on whole. (A pure ASGI middleware: Starlette's ``BaseHTTPMiddleware`` would hide
+    the client's disconnect from the endpoints.)"""
 
     def __init__(self, app, max_request_bytes: int) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_request_bytes:
-                _count_refusal(scope.get("app"), scope.get("path", ""), 413)
-                response = _error_response(
-                    413, f"the request body is {int(length)} bytes; this server accepts at most "
-                    f"{self.max_request_bytes} (max_request_bytes)")
-                await response(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit():
+            if int(length) > self.max_request_bytes:
+                await self._refuse(scope, receive, send, f"the request body is {int(length)} bytes")
                 return
-        await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
+        parts, size = [], 0  # no length given: count the body as it arrives
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body ended
+                return
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_request_bytes:
+                await self._refuse(scope, receive, send, f"the request body is over {self.max_request_bytes} bytes")
+                return
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is None:
+                return await receive()  # later calls: the client's disconnect
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        _count_refusal(scope.get("app"), scope.get("path", ""), 413)
+        response = _error_response(
+            413, f"{what}; this server accepts at most {self.max_request_bytes} (max_request_bytes)")
+        await response(scope, receive, send)
 
 
 def check_api_key(api_key: Any, name: str = "api_key") -> str:
