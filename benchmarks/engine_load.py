@@ -10,7 +10,7 @@ on the same cores. Per policy it reports requests/s, the engine's prefill and de
 decode step and the prompt tokens reused and computed (prefix caching); per speedup the
 requests/s ratio to full depth and ``ceiling``, the ratio the full-depth run's own timings would
 give if its decode seconds ran the theoretical speedup faster while its prefill stayed
-(Amdahl's law, METHOD.md "the prompt is prefilled at full depth").
+(Amdahl's law, docs/method.md "the prompt is prefilled at full depth").
 
 Prints a Markdown table, writes ``benchmarks/results/<name>.json`` (repo-relative paths) and a PNG
 of the prefill and decode seconds per policy, and ends with one JSON line.

@@ -400,7 +400,7 @@ def pairs(rows: list[dict]) -> list[dict]:
     decode-step speedup (full step ms / 2x step ms, from the server's statistics) and
     ``ceiling_at_theoretical_steps``, the 2x/full latency ratio the full cell's own timings
     would give if its decode part (p50 latency - p50 TTFT) ran the theoretical speedup faster
-    while its prefill (TTFT, full depth in both, METHOD.md) stayed: ``lat / (ttft + (lat - ttft) / theor.)``
+    while its prefill (TTFT, full depth in both, docs/method.md) stayed: ``lat / (ttft + (lat - ttft) / theor.)``
     (Amdahl's law). Where the measured ratio is far below it, decode steps lose; where the ceiling
     itself is low, the full-depth prefill dominates the request. Each value is the median over the
     repeats (rows carry ``repeat``; one run: its values), each run's ratio within its own run;

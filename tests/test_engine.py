@@ -1,12 +1,12 @@
 """The engine (forward.py, cache.py, generate.py) on tiny random models of every family.
 
-Contracts checked here (METHOD.md, PITFALLS.md):
-- full depth reproduces Hugging Face greedy generation token for token (PITFALLS 2, 7);
+Contracts checked here (docs/method.md; docs/correctness.md, the pitfalls):
+- full depth reproduces Hugging Face greedy generation token for token (docs/correctness.md pitfalls 2, 7);
 - under skipping, cached step-by-step logits equal a no-cache recomputation of the whole sequence
-  with the same per-position layer sets (METHOD.md "Why the KV cache is always complete");
-- per-layer cache lengths equal the tokens that actually ran each layer (PITFALLS 1);
-- batched == one prompt at a time (PITFALLS 4, 11); no NaN from padding (PITFALLS 5);
-- forward hooks see exactly the planned layers; cache rollback (PITFALLS 8); clean errors.
+  with the same per-position layer sets (docs/method.md "Why the KV cache is always complete");
+- per-layer cache lengths equal the tokens that actually ran each layer (docs/correctness.md pitfall 1);
+- batched == one prompt at a time (docs/correctness.md pitfalls 4, 11); no NaN from padding (docs/correctness.md pitfall 5);
+- forward hooks see exactly the planned layers; cache rollback (docs/correctness.md pitfall 8); clean errors.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def test_forward_hooks_see_exactly_the_plan(family, policy):
 
 def nan_on_empty_rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An attention kernel that returns NaN for a query row with no allowed key, as SDPA or
-    flash kernels with -inf or boolean masks do on some versions and devices (PITFALLS 5):
+    flash kernels with -inf or boolean masks do on some versions and devices (docs/correctness.md pitfall 5):
     entries of the additive mask below 0 become -inf before the softmax. (This torch's SDPA and
     HF's eager attention turn a fully masked finfo.min row into a uniform softmax instead, so a
     NaN guard cannot be tested through them.) Shapes: query (B, H, T, D), key/value
@@ -334,7 +334,7 @@ def strict_model(family: str):
 
 
 def test_padded_batch_logits_finite_everywhere(family, monkeypatch):
-    """PITFALLS 5 with an attention kernel that really turns a fully masked row into NaN: a
+    """docs/correctness.md pitfall 5 with an attention kernel that really turns a fully masked row into NaN: a
     left-padded batch (padding positions included, the prefill, skipped decode steps and
     teacher forcing) stays finite everywhere, because no query row is fully masked. Without the
     guard the same run does give NaN (checked below), so this test fails if the guard goes."""

@@ -1,6 +1,6 @@
 """Text-level generation through ``SkipModel`` on a tiny llama and the conftest tokenizer: EOS,
 stop strings, finish reasons, BOS == EOS prompts, sampling, chat template, prompt validation,
-statistics and streaming (PITFALLS 10, 11, 13)."""
+statistics and streaming (docs/correctness.md pitfalls 10, 11, 13)."""
 
 from __future__ import annotations
 
@@ -439,7 +439,7 @@ def test_batched_text_equals_single(sk):
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=0)])
 def test_nan_logits_never_reach_a_token(params):
-    """PITFALLS 5: a NaN anywhere in a row's logits raises instead of yielding a token."""
+    """docs/correctness.md pitfall 5: a NaN anywhere in a row's logits raises instead of yielding a token."""
     from skipdecode.sampling import Sampler
 
     logits = torch.randn(3, 50)

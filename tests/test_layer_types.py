@@ -3,7 +3,7 @@
 Qwen2 and Qwen3 derive ``config.layer_types`` from ``use_sliding_window``/``max_window_layers``
 (or take it as given); SmolLM3 makes its NoPE layers the sliding ones. HF builds one mask per
 layer type and gives each layer the mask of its type; Mistral has no ``layer_types`` and applies
-its one window to every layer. The contract (PITFALLS 2): at full depth our layer loop equals
+its one window to every layer. The contract (docs/correctness.md pitfall 2): at full depth our layer loop equals
 the unmodified HF model in logits and greedy tokens, for every family with per-layer types, with
 windows shorter than the sequences so that a wrong window changes the answer.
 """

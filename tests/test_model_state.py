@@ -1,11 +1,11 @@
-"""What skipping must never do to the model around it (PITFALLS 3, 9, 10).
+"""What skipping must never do to the model around it (docs/correctness.md pitfalls 3, 9, 10).
 
-* PITFALLS 3: the Hugging Face config (``num_hidden_layers`` etc.) and generation config are never
+* docs/correctness.md pitfall 3: the Hugging Face config (``num_hidden_layers`` etc.) and generation config are never
   written, and one request's policy never leaks into another's, even when two generations are
   interleaved on the same model (the server's situation).
-* PITFALLS 9: tied input/output embeddings stay tied through ``save_pretrained`` -> ``load`` and
+* docs/correctness.md pitfall 9: tied input/output embeddings stay tied through ``save_pretrained`` -> ``load`` and
   through training, so the head a reloaded model exits through is the trained one.
-* PITFALLS 10: pad == EOS (common: many tokenizers have no pad token) neither ends a left-padded
+* docs/correctness.md pitfall 10: pad == EOS (common: many tokenizers have no pad token) neither ends a left-padded
   row at its padding nor changes any row's output against the row run alone.
 
 Tiny random models, offline.
@@ -36,7 +36,7 @@ def configs(model) -> tuple[dict, dict]:
 
 
 # --------------------------------------------------------------------------------------------
-# PITFALLS 3: configs untouched, no leaks between requests
+# docs/correctness.md pitfall 3: configs untouched, no leaks between requests
 # --------------------------------------------------------------------------------------------
 
 
@@ -101,7 +101,7 @@ def test_interleaved_generations_do_not_leak_policies(family_name):
 
 
 # --------------------------------------------------------------------------------------------
-# PITFALLS 9: tied embeddings through save/load and training
+# docs/correctness.md pitfall 9: tied embeddings through save/load and training
 # --------------------------------------------------------------------------------------------
 
 
@@ -143,7 +143,7 @@ def test_tied_head_follows_training_after_reload(tmp_path, tokenizer):
 
 
 # --------------------------------------------------------------------------------------------
-# PITFALLS 10: pad == EOS
+# docs/correctness.md pitfall 10: pad == EOS
 # --------------------------------------------------------------------------------------------
 
 

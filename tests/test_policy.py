@@ -1,4 +1,4 @@
-"""Skip policies (METHOD.md "The schedule"): invariants for every step, the budget formula
+"""Skip policies (docs/method.md "The schedule"): invariants for every step, the budget formula
 recomputed independently, target-speedup presets, serialisation and argument validation."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from skipdecode.policy import (
 
 
 def reference_budget(max_layers: int, min_layers: int, horizon: int, step: int) -> int:
-    """METHOD.md: clamp(round_half_up(e_max - (e_max - e_min) * t / T), e_min, e_max), in Decimal."""
+    """docs/method.md: clamp(round_half_up(e_max - (e_max - e_min) * t / T), e_min, e_max), in Decimal."""
     x = Decimal(max_layers) - Decimal((max_layers - min_layers) * step) / Decimal(horizon)
     rounded = int(x.quantize(Decimal(1), rounding=ROUND_HALF_UP))
     return max(min_layers, min(max_layers, rounded))
@@ -159,7 +159,7 @@ def test_expected_speedup_is_layers_over_budgets(policy, num_steps):
 
 
 def test_for_speedup_realised_near_target_at_horizon():
-    # a 2x preset over its horizon realises close to (a bit under) 2x, as METHOD.md reports (1.77x)
+    # a 2x preset over its horizon realises close to (a bit under) 2x, as docs/method.md reports (1.77x)
     policy = for_speedup(30, 2, 28)
     assert 1.6 < policy.expected_speedup(28) < 2.2
 

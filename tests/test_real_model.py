@@ -59,7 +59,7 @@ def test_default_model_full_depth_matches_hf_generate():
 
 
 def test_default_model_is_plain_float_and_round_trips_through_save(tmp_path):
-    """PITFALLS 12: the GGUF loads dequantized into a plain float32 model (not flagged as
+    """docs/correctness.md pitfall 12: the GGUF loads dequantized into a plain float32 model (not flagged as
     quantized, so save_pretrained and training work), and what it saves reloads identically."""
     import skipdecode
 

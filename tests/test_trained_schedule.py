@@ -144,7 +144,7 @@ def test_a_retimed_default_schedule_leaves_generic_speedups_on_the_checkpoints_h
 
 
 def test_info_names_the_layers_each_decode_step_runs():
-    """`skipdecode info` spells out the budgets (METHOD.md: e(t) = round_half_up(e_max - (e_max -
+    """`skipdecode info` spells out the budgets (docs/method.md: e(t) = round_half_up(e_max - (e_max -
     e_min) t / T)): with 14 full-depth steps, 25 -> 5 over 4 tokens runs 20, 15, 10, 5 at steps
     15-18, never 25 (the prefill's budget); a long decay names only its first step and floor."""
     from skipdecode.info import describe_policy, layers_by_step

@@ -1,4 +1,4 @@
-"""Per-layer KV cache with per-layer lengths (PITFALLS 1, 8).
+"""Per-layer KV cache with per-layer lengths (docs/correctness.md pitfalls 1, 8).
 
 Under SkipDecode a skipped layer gets no cache entry, so layers hold different numbers of cached
 positions: the layers that ran at every step hold all of them, the bottom layers skipped since step
@@ -8,7 +8,7 @@ modules call, so the stock layers write into it unchanged. Nothing here reads "l
 
 For in-flight batching (rows at different steps, each with its own plan) :class:`SlotCache` keeps
 one slot per running request and one length per (layer, slot); a :class:`SlotView` is one decode
-step's window on it (METHOD.md "Rows at different steps in one forward").
+step's window on it (docs/method.md "Rows at different steps in one forward").
 """
 
 from __future__ import annotations
@@ -112,11 +112,11 @@ class SkipCache:
 
     def get_seq_length(self, layer_idx: int) -> int:
         """Cached positions of layer ``layer_idx`` (tokens). There is deliberately no default
-        layer: under skipping the layers differ (PITFALLS 1)."""
+        layer: under skipping the layers differ (docs/correctness.md pitfall 1)."""
         return self.lengths[layer_idx]
 
     def crop(self, num_positions: int) -> None:
-        """Roll back to the first ``num_positions`` positions in every layer (PITFALLS 8).
+        """Roll back to the first ``num_positions`` positions in every layer (docs/correctness.md pitfall 8).
 
         A layer holding fewer positions (skipped later on) keeps what it has; a layer holding more
         is truncated. ``num_positions`` is in tokens.
@@ -177,7 +177,7 @@ class SkipCache:
 
 class SlotCache:
     """K/V buffers for in-flight batching: one cache row ("slot") per running request, and one
-    length per (layer, slot) (METHOD.md "Rows at different steps in one forward").
+    length per (layer, slot) (docs/method.md "Rows at different steps in one forward").
 
     Each slot holds one request's history from its own position 0 (no padding): a request is
     prefilled at full depth elsewhere and its real positions are copied in with
@@ -404,7 +404,7 @@ class SlotView:
 
     def check(self, layer_idx: int) -> None:
         """Raise RuntimeError unless every row's cached length at ``layer_idx`` equals its position:
-        a layer that runs for a row must hold that row's complete history (METHOD.md)."""
+        a layer that runs for a row must hold that row's complete history (docs/method.md)."""
         have = self.cache.lengths[layer_idx, self.slots]
         bad = (have != self.positions).nonzero().flatten()
         if bad.numel():

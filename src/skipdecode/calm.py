@@ -12,7 +12,7 @@ this baseline refuses batches larger than one.
 than an earlier one needs the earlier token's keys and values at those upper layers. As in CALM,
 they are computed from the *exit* hidden state: every layer above the exit point is run on the
 exit state with the cache, so that its attention writes K/V, and its output is discarded. The
-stock layers are driven through :meth:`Adapter.run_layer` (never copied, PITFALLS 2), so the
+stock layers are driven through :meth:`Adapter.run_layer` (never copied, docs/correctness.md pitfall 2), so the
 propagation runs each upper layer in full; a real CALM kernel would compute only the K/V
 projections. Two counts are therefore reported per decode step:
 
@@ -21,7 +21,7 @@ projections. Two counts are therefore reported per decode step:
   ``head_evals``: confidence heads evaluated (each costs a vocabulary projection).
 
 The prefill runs every layer over the prompt and gives generated token 0 (as in SkipDecode's
-generation, METHOD.md), decoding is greedy and KV-cached with a :class:`SkipCache`.
+generation, docs/method.md), decoding is greedy and KV-cached with a :class:`SkipCache`.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def _calm_loop(adapter, input_ids: torch.Tensor, mask: torch.Tensor, config: Cal
     for step in range(max_new_tokens):
         _sync(device)
         start = time.perf_counter()
-        if step == 0:  # full-depth prefill, same call as generate_step (PITFALLS 6, 7)
+        if step == 0:  # full-depth prefill, same call as generate_step (docs/correctness.md pitfalls 6, 7)
             logits = skip_forward(adapter, input_ids, mask, cache=cache, logits_last_only=True)[:, -1]
         else:
             mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
@@ -263,7 +263,7 @@ def _calm_step(adapter, token: torch.Tensor, mask: torch.Tensor, cache: SkipCach
     """One decode step of ``token`` (1, 1) with ``mask`` (1, K) -> (logits (1, V), exit layers, heads evaluated)."""
     L = adapter.num_layers
     K = mask.shape[1]
-    position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (PITFALLS 1)
+    position_ids = positions_from_mask(mask)[:, K - 1 :]  # (1, 1), from the mask (docs/correctness.md pitfall 1)
     hidden = adapter.embed(token, position_ids)  # (1, 1, C)
     masks = step_masks(adapter, mask, 1, hidden.dtype)  # per layer (1, 1, 1, K), or None: no padding
     extra = adapter.layer_inputs(hidden, position_ids)

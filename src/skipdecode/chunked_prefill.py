@@ -11,7 +11,7 @@ tokens (vLLM's and SGLang's chunked prefill, which batch the chunk with the deco
 chunk is its own forward in the same engine step). Its last chunk gives the logits of generated
 token 0, its K/V go to its slot, and it joins the running rows as any joiner does.
 
-Why it is exact. The prompt runs at full depth either way (METHOD.md: the prefill runs every
+Why it is exact. The prompt runs at full depth either way (docs/method.md: the prefill runs every
 layer). Under causal attention the K/V of positions 0..n-1 depend only on those tokens, so a chunk
 that runs positions n..n+C-1 on top of the K/V of the first n (kept in the partial's own
 :class:`~skipdecode.cache.SkipCache`, which grows by each chunk in place) computes the same values

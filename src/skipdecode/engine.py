@@ -1,6 +1,6 @@
 """In-flight batching engine: every running row carries its own decode step and policy.
 
-METHOD.md "Rows at different steps in one forward". A request waits in a queue; when a slot is
+docs/method.md "Rows at different steps in one forward". A request waits in a queue; when a slot is
 free it is prefilled at full depth (with the other requests joining at the same step, in
 left-padded batches of similar lengths), its real K/V positions are copied into its own slot of a
 :class:`~skipdecode.cache.SlotCache`, and it emits generated token 0. At every later

@@ -1,6 +1,6 @@
 """Entry bridges: an affine map where a token's plan jumps over its skipped layers (project extension).
 
-SkipDecode (METHOD.md, rule 3) runs the warm-up layers ``0 .. w-1``, jumps, and feeds the
+SkipDecode (docs/method.md, rule 3) runs the warm-up layers ``0 .. w-1``, jumps, and feeds the
 warm-up output unchanged to the first kept top layer ``s = L - (e(t) - w)``. That layer was
 trained on the residual stream *after* layers ``w .. s-1``, which the jump leaves out. An entry
 bridge replaces the identity of the jump by an affine map per entry layer ``s``::
@@ -11,13 +11,13 @@ fitted by ridge least squares from full-depth hidden states (the linear "short-c
 Din et al., "Jump to Conclusions: Short-Cutting Transformers with Linear Transformations",
 arXiv 2303.09435, applied between two inner layers) and optionally trained further with the
 skip adapter. It is **not** part of the paper's method: a model without a bridge decodes exactly
-as METHOD.md says, and ``attach_entry_bridge(model, None)`` removes one. Cost: one C x C
+as docs/method.md says, and ``attach_entry_bridge(model, None)`` removes one. Cost: one C x C
 matrix-vector product per token per step, about 0.08 of a SmolLM2-135M decoder layer.
 
 :func:`skipdecode.forward.skip_forward` applies the bridge of layer ``s`` to every position
 whose plan runs ``s``, does not run ``s - 1``, and ran the bridge's ``source`` layer (the last
 warm-up layer; -1 = the embeddings when ``w = 0``), in all three plan forms (one plan, a
-per-position mask, a per-row plan). Nothing else changes: the KV cache invariant of METHOD.md
+per-position mask, a per-row plan). Nothing else changes: the KV cache invariant of docs/method.md
 holds as before, since the bridge only changes the input of a layer that runs.
 """
 
@@ -93,7 +93,7 @@ class EntryBridge(nn.Module):
 
     def subset(self, targets: Iterable[int]) -> "EntryBridge":
         """A new bridge with the maps of ``targets`` only (a jump to another entry layer then stays
-        the identity of METHOD.md), e.g. to ship only the entry layers a schedule reaches.
+        the identity of docs/method.md), e.g. to ship only the entry layers a schedule reaches.
 
         Raises:
             ValueError: a target this bridge has no map for, or no target.

@@ -196,7 +196,7 @@ class Report:
 
         Each row's own speedups (:func:`finish_rows`) compare it with the *same* model at full
         depth. The paper's baseline is another model: the fine-tuned full-depth (1x) model
-        (METHOD.md, "What the paper reports"), whose outputs can differ in length from those of a
+        (docs/method.md, "What the paper reports"), whose outputs can differ in length from those of a
         model taught a skip schedule and then decoded at full depth. This gives, for every row
         but the baseline, CALM rows and rows of another batch size than the baseline's (e.g. the
         ``full@bs1`` references of CALM rows), four dimensionless ratios against ``(model, policy)``:

@@ -4,14 +4,14 @@
 model (:class:`skipdecode.model.SkipModel`) under each requested policy, in batches, and scores the
 outputs with :mod:`skipdecode.metrics`. For every model the full-depth policy is always run too and
 flagged as the *reference*: wall-clock speedups are measured against it in the same run
-(PITFALLS 13). Policies are interleaved batch by batch (batch b runs under every policy before batch
+(docs/correctness.md pitfall 13). Policies are interleaved batch by batch (batch b runs under every policy before batch
 b+1), so slow drifts of a shared machine hit every row alike.
 
 Speed figures of a row (all aggregated over every batch of the row):
 
 * ``mean_active_layers`` = sum of layers run / decode steps (layers; decode steps t >= 1 only);
 * ``theoretical_speedup`` = sum over batches of L * steps / sum over batches of layers run
-  (METHOD.md "Target speedup"; the full-depth prefill and token 0 are excluded by definition);
+  (docs/method.md "Target speedup"; the full-depth prefill and token 0 are excluded by definition);
 * ``tokens_per_second`` = generated tokens of every item / wall-clock seconds spent in the
   generation calls (tokenisation, prefill, decode and detokenisation included);
 * ``wallclock_speedup`` = ``tokens_per_second`` / the reference row's (the reference row has 1.0);

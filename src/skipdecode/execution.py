@@ -106,7 +106,7 @@ class Submission:
         """The finished request's :class:`GenerationResult` (its ``usage.skipdecode``).
 
         Per row, one request's rows ran their own steps: ``layers_run`` holds every row's decode
-        steps (so ``theoretical_speedup`` = L x row-steps / layers run, METHOD.md), ``decode_steps``
+        steps (so ``theoretical_speedup`` = L x row-steps / layers run, docs/method.md), ``decode_steps``
         and ``decode_seconds`` are those of its longest row, ``prefill_seconds`` its slowest
         prefill (time to first token); ``cached_prompt_tokens`` its rows' prompt tokens reused
         from the engine's prefix cache; ``mean_batch_rows`` the rows of all requests that its

@@ -1,19 +1,19 @@
 """THE layer loop. Prefill, decode, teacher-forced training and evaluation all call
-:func:`skip_forward`; there is no second copy (DESIGN.md, PITFALLS 2).
+:func:`skip_forward`; there is no second copy (docs/design.md, docs/correctness.md pitfall 2).
 
 Three ways to say which layers run:
 - ``active_layers``: one plan for every position of the call (prefill: all layers; decode step
   t: ``policy.active_layers(t)``); skipped layers are the identity and get no cache entry.
-- ``layer_mask`` (B, T, L) bool: per-position plans for teacher forcing (METHOD.md "Training"):
+- ``layer_mask`` (B, T, L) bool: per-position plans for teacher forcing (docs/method.md "Training"):
   ``h_l(p) = h_{l-1}(p) + m_l(p) * (Layer_l(h_{l-1})(p) - h_{l-1}(p))``, implemented with
   ``torch.where`` so that kept rows are bit-identical to a skip.
 - ``row_layers`` (B, L) bool: one plan per *row* for an in-flight decode step (one new token per
-  row, rows at different steps or with different policies; METHOD.md "Rows at different steps in
+  row, rows at different steps or with different policies; docs/method.md "Rows at different steps in
   one forward"). Layer l runs only on the rows whose plan holds it: their hidden states are
   gathered (or used whole when every row runs it), run, and scattered back; other rows pass
   through and cost nothing. The cache is then a :class:`~skipdecode.cache.SlotView`.
 
-Sparse teacher forcing (METHOD.md "Prefixes in training"; the default): layer l runs only on
+Sparse teacher forcing (docs/method.md "Prefixes in training"; the default): layer l runs only on
 ``hidden[:, :n_l]``, n_l = 1 + the last position that any row runs l at; the masked update is kept
 for the rows whose own prefix is shorter, positions >= n_l pass through unchanged. It is exact for
 any mask, because a query never attends to a later key (causal attention): what the masked form
@@ -41,7 +41,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids (B, K) from a left- or right-padded 0/1 ``attention_mask`` (B, K).
 
     ``cumsum(mask) - 1`` with padding positions set to 0, as Hugging Face's ``generate`` does
-    (PITFALLS 4). Each row's first real token gets position 0.
+    (docs/correctness.md pitfall 4). Each row's first real token gets position 0.
     """
     return _mask_positions(attention_mask)
 
@@ -65,7 +65,7 @@ def build_attention_mask(
     so padding *inside* a row, between a cached prompt prefix and the tokens computed after it,
     does not shorten its window; with left padding only this is K-T+i - j).
     Every query may always attend to itself, so no row is fully masked and SDPA can never
-    return NaN for padding rows (PITFALLS 5); real rows are unaffected because they attend to
+    return NaN for padding rows (docs/correctness.md pitfall 5); real rows are unaffected because they attend to
     themselves anyway. Allowed entries are 0, others ``torch.finfo(dtype).min``.
     """
     B, K = attention_mask.shape
@@ -144,7 +144,7 @@ def build_row_attention_mask(
     different positions; keys after a row's query are other requests' stale slot entries).
 
     Key j is allowed when ``attention_mask[b, j] == 1`` and, with a ``sliding_window`` W,
-    ``q - j < W``. The query's own key is always real, so no row is fully masked (PITFALLS 5).
+    ``q - j < W``. The query's own key is always real, so no row is fully masked (docs/correctness.md pitfall 5).
     """
     K = attention_mask.shape[-1]
     allowed = attention_mask.bool()
@@ -229,7 +229,7 @@ def skip_forward(
             ``row_layers`` comes without a :class:`SlotView`, with ``active_layers``/``layer_mask``,
             or with T > 1.
         RuntimeError: an active layer's cached length is not K - T (a broken skip plan; the
-            SkipDecode invariant of METHOD.md "Why the KV cache is always complete").
+            SkipDecode invariant of docs/method.md "Why the KV cache is always complete").
     """
     B, T = input_ids.shape
     K = attention_mask.shape[-1]

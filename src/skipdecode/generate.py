@@ -1,6 +1,6 @@
 """Skip-aware, KV-cached, batched generation: ``generate_step`` -> ``stream_generate`` -> ``generate``.
 
-Schedule (METHOD.md "The schedule"): the prefill runs every layer over the (left-padded) prompts
+Schedule (docs/method.md "The schedule"): the prefill runs every layer over the (left-padded) prompts
 and gives the logits of generated token 0; decode step t = 1, 2, ... feeds token t-1 through
 ``policy.active_layers(t)`` and gives token t. All rows share t, so the batch runs one plan per
 step (rule 1). Finished rows are frozen: they are fed the pad token and emit nothing more.
@@ -335,7 +335,7 @@ class GenerationResult:
 
     @property
     def theoretical_speedup(self) -> float:
-        """L * decode steps / layers run in them (METHOD.md); prefill and token 0 excluded."""
+        """L * decode steps / layers run in them (docs/method.md); prefill and token 0 excluded."""
         return theoretical_speedup(self.num_layers, self.layers_run)
 
     def stats(self) -> dict:

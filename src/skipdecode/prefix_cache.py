@@ -2,7 +2,7 @@
 requests share (a chat template's system prompt, an instruction before the data).
 
 Why it is exact under SkipDecode. A joining request is prefilled at full depth, so every layer
-holds its prompt's complete history (METHOD.md "Why the KV cache is always complete"). With causal
+holds its prompt's complete history (docs/method.md "Why the KV cache is always complete"). With causal
 attention the keys and values of the first p prompt positions depend on those p tokens alone, at
 every layer; positions come from the attention mask, so a stored prefix is position-exact. A
 request whose prompt starts with a stored prefix therefore runs only its other tokens, at full

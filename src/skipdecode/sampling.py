@@ -190,7 +190,7 @@ class Sampler:
         (its prompt without padding, then its output), passed to the warpers and read by the
         penalties; its last ``generated`` columns are the output so far (tokens).
 
-        NaN logits never reach sampling (PITFALLS 5).
+        NaN logits never reach sampling (docs/correctness.md pitfall 5).
 
         Raises:
             RuntimeError: ``logits`` hold a NaN (greedy: in a chosen position, which argmax

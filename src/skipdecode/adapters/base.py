@@ -3,7 +3,7 @@
 An adapter exposes the four pieces SkipDecode's one layer loop (:mod:`skipdecode.forward`) needs:
 ``embed`` (token + position embeddings), ``layer_inputs`` (per-step extras such as rotary
 ``position_embeddings``), ``run_layer`` (one stock decoder layer) and ``head`` (the model's own
-tail: final norm, any output projection, LM head). It never writes the HF config (PITFALLS 3).
+tail: final norm, any output projection, LM head). It never writes the HF config (docs/correctness.md pitfall 3).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ class OPTAdapter(Adapter):
 
     Positions follow HF OPT: ``position_ids`` (0-based, from the attention mask) are shifted by
     the embedding's own offset (2) inside ``OPTLearnedPositionalEmbedding``. Post-LN variants
-    (``do_layer_norm_before=False``, e.g. OPT-350m) have no final layer norm (PITFALLS 9).
+    (``do_layer_norm_before=False``, e.g. OPT-350m) have no final layer norm (docs/correctness.md pitfall 9).
     """
 
     model_types = ("opt",)

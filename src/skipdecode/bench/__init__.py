@@ -1,6 +1,6 @@
 """Decode-speed benchmark: SkipDecode policies vs full depth vs Hugging Face ``generate``.
 
-PITFALLS 13: the theoretical (compute) ratio and the wall-clock ratio are reported side by side,
+docs/correctness.md pitfall 13: the theoretical (compute) ratio and the wall-clock ratio are reported side by side,
 measured in the same run, for several batch sizes.
 
 What is measured (one :func:`run_benchmark` call):

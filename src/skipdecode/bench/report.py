@@ -27,7 +27,7 @@ def _table(title: str):
 def schedule_cell(policy: dict[str, Any] | None) -> str:
     """A benchmark row's schedule, short: ``"30"`` (full depth), ``"21->9 over 8"`` (linear
     decay from ``max_layers`` to ``min_layers`` over ``horizon`` tokens), ``"14 at 30, then 25->5
-    over 4"`` with full-depth first steps (METHOD.md "The schedule"), so a trained schedule and the
+    over 4"`` with full-depth first steps (docs/method.md "The schedule"), so a trained schedule and the
     generic one of the same speedup read apart; "-" for HF's rows (no policy), else the dict."""
     if not policy:
         return "-"

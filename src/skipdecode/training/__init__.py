@@ -1,4 +1,4 @@
-"""Skip-aware fine-tuning (METHOD.md "Training: the model must learn the schedule").
+"""Skip-aware fine-tuning (docs/method.md "Training: the model must learn the schedule").
 
 A stock model collapses when its lower layers are skipped, so SkipDecode fine-tunes it **with the
 skip schedule in place**, by teacher forcing that reproduces the inference computation exactly:

@@ -1,4 +1,4 @@
-"""The training loop: :func:`train` (METHOD.md "Training: the model must learn the schedule").
+"""The training loop: :func:`train` (docs/method.md "Training: the model must learn the schedule").
 
 The loop runs on Hugging Face Accelerate, so ``accelerate launch`` / ``torchrun`` runs it
 data-parallel unchanged: the loss is computed inside an ``nn.Module``
@@ -555,7 +555,7 @@ def train(
     val_data: str | os.PathLike | Sequence[Example] | None = None,
     callback: Callable[[dict], None] | None = None,
 ) -> TrainResult:
-    """Fine-tune ``model`` with its skip schedule in place (METHOD.md "Training").
+    """Fine-tune ``model`` with its skip schedule in place (docs/method.md "Training").
 
     Args:
         model: a :class:`SkipModel`, or anything :func:`skipdecode.load` takes (None: the embedded

@@ -1,4 +1,4 @@
-"""The teacher-forced training forward and its loss (METHOD.md "Training").
+"""The teacher-forced training forward and its loss (docs/method.md "Training").
 
 Prompt positions run every layer; the position holding response token i runs
 ``policy.active_layers(i + 1)``; the loss is next-token cross-entropy on the response tokens
