@@ -165,10 +165,18 @@ def test_unknown_model_is_404(client):
 
 
 def test_unknown_route_and_method_use_the_error_shape(client):
-    assert_openai_error(client.get("/v1/nope"), 404, None)
+    """Starlette's bare "Not Found" / "Method Not Allowed" become messages that say what to do."""
+    assert_openai_error(client.get("/v1/nope"), 404, None, "/v1/nope is not a route", "/v1/chat/completions")
     resp = client.get("/v1/completions")
-    assert_openai_error(resp, 405, None)
+    assert_openai_error(resp, 405, None, "GET is not allowed on /v1/completions; it takes POST")
     assert resp.headers["allow"] == "POST"  # the exception's headers survive the handler
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_empty_body_is_named_as_empty(client, path):
+    resp = client.post(path, content=b"", headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, None, "the request body is empty")
+    assert "Field required" not in resp.json()["error"]["message"]
 
 
 def test_server_fault_is_500_server_error(sk, monkeypatch):

@@ -159,7 +159,7 @@ class _BodyLimit:
     async def _refuse(self, scope, receive, send, what: str) -> None:
         _count_refusal(scope.get("app"), scope.get("path", ""), 413)
         response = _error_response(
-            413, f"{what}; this server accepts at most {self.max_request_bytes} (max_request_bytes)")
+            413, f"{what}; this server accepts at most {self.max_request_bytes} bytes")
         await response(scope, receive, send)
 
 
@@ -232,6 +232,11 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     """An HTTP error (an :class:`APIError`, an unknown route) in OpenAI's shape, its headers kept."""
     _count_refusal(request.app, request.url.path, exc.status_code)  # 400s and 429s
     message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
+    if exc.status_code == 405 and not isinstance(exc, APIError):  # Starlette's "Method Not Allowed"
+        message = f"{request.method} is not allowed on {request.url.path}; it takes {(exc.headers or {}).get('Allow', '')}"
+    elif exc.status_code == 404 and not isinstance(exc, APIError):  # Starlette's "Not Found": an unknown route
+        message = (f"{request.url.path} is not a route of this server (/v1/completions, /v1/chat/completions, "
+                   "/v1/models, /health, /metrics)")
     return _error_response(exc.status_code, message, getattr(exc, "param", None), getattr(exc, "kind", None),
                            headers=exc.headers, code=getattr(exc, "code", None))
 

@@ -76,6 +76,7 @@ def _alternatives(msgs: list[str]) -> str:
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Optional[str]]:
     """(message, param) for FastAPI's request validation ``errors`` (pydantic error dicts).
 
+    A body that is not valid JSON, or is empty, is named as such (``param`` None).
     The message is ``"<field>: <pydantic msg>"`` per field (a union's alternatives joined by
     " or "), fields joined by "; "; ``param`` is the first error's field path, or None for a body
     that is not valid JSON or not a JSON object.
@@ -85,6 +86,8 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, Option
             reason = (e.get("ctx") or {}).get("error", "")
             where = f" at character {e['loc'][-1]}" if isinstance(e["loc"][-1], int) else ""
             return f"the request body is not valid JSON ({reason}{where})", None
+        if e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",):  # no body at all
+            return "the request body is empty: send a JSON object with the request's fields", None
     by_path: dict[str, list[str]] = {}
     got: dict[str, str] = {}
     for e in _likeliest_branches(errors):
