@@ -223,9 +223,9 @@ def load(
             ``compile="kernels"`` without ``quantize`` "int8" or "int4", ``chat`` is not True,
             False or None (names ``chat``), or ``policy`` is not None or a policy object or is for
             another layer count (names ``policy``, :func:`skipdecode.policy.check_policy`; checked
-            once the model is read).
+            once the model is read), or a ``device`` this machine does not have
+            (:func:`check_device`).
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
-        LoadError: a ``device`` this machine does not have (:func:`check_device`).
     """
     torch_dtype = _check_load_options(adapter, device, dtype, quantize, compile, chat)
     # int4 would round a merged LoRA delta back to the 4-bit base weights: keep adapters unmerged
