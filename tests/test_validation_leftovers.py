@@ -468,7 +468,7 @@ def test_serve_full_depth_steps_sets_the_default_policy(saved, monkeypatch):  # 
     seen = {}
     monkeypatch.setattr("skipdecode.cli_serve._check_can_listen", lambda host, port: None)
     monkeypatch.setattr("skipdecode.server.create_app", lambda sk, *a, **k: seen.setdefault("policy", sk.policy))
-    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    monkeypatch.setattr("skipdecode.cli_serve.run_server", lambda *a, **k: None)
     res, _ = cli(["serve", "--model", str(saved), "--speedup", "2", "--full-depth-steps", "3"])
     assert res.exit_code == 0, res.output
     assert seen["policy"].full_depth_steps == 3 and seen["policy"].budget(3) == NUM_LAYERS
