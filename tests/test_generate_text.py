@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -381,18 +382,41 @@ def test_stream_chunks_mark_every_end_and_its_reason(chain_sk):
 
 def test_generate_step_refuses_a_right_padded_batch(sk, tokenizer):
     """A tokenizer pads on the right by default; generate_step would decode the short row after
-    its padding (a wrong answer, silently). It is refused naming the row and the way out."""
+    its padding (a wrong answer, silently). It is refused naming the row and the way out, which works."""
+    import skipdecode
+
     left_ids, left_mask = encode_prompts(tokenizer, PROMPTS[:2])
     right_ids = torch.stack([torch.roll(i, -int((m == 0).sum())) for i, m in zip(left_ids, left_mask)])
     right_mask = torch.stack([torch.roll(m, -int((m == 0).sum())) for m in left_mask])
     short = int(right_mask.sum(-1).argmin())
-    with pytest.raises(ValueError, match=f"left-padded .* row {short} is .*padding_side = 'left'.*encode_prompts"):
+    with pytest.raises(ValueError, match=rf"left-padded .* row {short} is .*padding_side = 'left'.*skipdecode\.encode_prompts"):
         next(generate_step(sk.adapter, right_ids, right_mask, max_new_tokens=2))
-    for bad in (torch.zeros_like(left_mask), torch.full_like(left_mask, 2)):  # an empty row, a non-0/1 value
-        with pytest.raises(ValueError, match="attention_mask must be left-padded"):
-            next(generate_step(sk.adapter, left_ids, bad, max_new_tokens=2))
-    steps = list(generate_step(sk.adapter, left_ids, left_mask, max_new_tokens=2))  # the left-padded batch runs
-    assert len(steps) == 2
+    ids, mask = skipdecode.encode_prompts(tokenizer, PROMPTS[:2])  # the named fix, as written
+    assert len(list(generate_step(sk.adapter, ids, mask, max_new_tokens=2))) == 2
+    empty = left_mask.clone()
+    empty[1] = 0
+    with pytest.raises(ValueError, match="attention_mask row 1 holds no token"):
+        next(generate_step(sk.adapter, left_ids, empty, max_new_tokens=2))
+    with pytest.raises(ValueError, match="attention_mask must be left-padded"):  # a value other than 0/1
+        next(generate_step(sk.adapter, left_ids, torch.full_like(left_mask, 2), max_new_tokens=2))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda a, i, m: (a.model, i, m, {}), "adapter must be a model's Adapter"),
+    (lambda a, i, m: (SimpleNamespace(adapter=a), i, m, {}), "a SkipModel's is model.adapter"),
+    (lambda a, i, m: (a, i.tolist(), m, {}), "input_ids must be a (B, P) torch.Tensor"),
+    (lambda a, i, m: (a, i, None, {}), "attention_mask must be a (B, P) torch.Tensor"),
+    (lambda a, i, m: (a, i.float(), m, {}), "input_ids must hold integer token ids"),
+    (lambda a, i, m: (a, i - 10**6, m, {}), "input_ids must be token ids in [0, "),
+    (lambda a, i, m: (a, i + 10**6, m, {}), "input_ids must be token ids in [0, "),
+    (lambda a, i, m: (a, i, m, {"eos_token_ids": 2}), "eos_token_ids must be a sequence of token ids"),
+])
+def test_generate_step_names_each_bad_input(sk, tokenizer, change, words):
+    """Each used to fail deep inside (torch's embedding, an IndexError, 'NoneType' has no shape)."""
+    adapter, ids, mask, extra = change(sk.adapter, *encode_prompts(tokenizer, PROMPTS[:2]))
+    with pytest.raises(ValueError) as info:
+        next(generate_step(adapter, ids, mask, max_new_tokens=2, **extra))
+    assert words in str(info.value)
 
 
 def test_on_chunk_sees_every_chunk(sk):

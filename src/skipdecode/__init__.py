@@ -21,6 +21,7 @@ _PUBLIC = {
     "supported_model_types": "adapters",
     "GenerationResult": "generate",
     "StreamChunk": "generate",
+    "encode_prompts": "generate",
     "generate": "generate",
     "generate_step": "generate",
     "stream_generate": "generate",
@@ -41,7 +42,8 @@ __all__ = sorted(_PUBLIC)
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from .adapters import UnsupportedArchitectureError, get_adapter, supported_model_types  # noqa: F401
-    from .generate import GenerationResult, StreamChunk, generate, generate_step, stream_generate  # noqa: F401
+    from .generate import (GenerationResult, StreamChunk, encode_prompts, generate, generate_step,  # noqa: F401
+                           stream_generate)
     from .loading import DEFAULT_MODEL, LoadError, load  # noqa: F401
     from .logprobs import TokenLogprobs  # noqa: F401
     from .model import SkipModel  # noqa: F401
