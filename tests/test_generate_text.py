@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -281,6 +282,13 @@ def test_load_refuses_a_chat_that_is_not_true_false_or_none(tmp_path, chat):
 def test_empty_or_blank_prompt_raises_naming_it(sk, prompts, index):
     with pytest.raises(ValueError, match=rf"prompts\[{index}\]"):
         sk.generate(prompts, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prompts,where", [("\ud800", "prompts[0]"), (["ok", "a\udfffb"], "prompts[1]"),
+                                           ([[{"role": "user", "content": "\ud800"}]], "prompts[0][0].content")])
+def test_a_lone_surrogate_is_refused_naming_the_prompt(sk, prompts, where):
+    with pytest.raises(ValueError, match=rf"{re.escape(where)} holds a lone surrogate"):
+        sk.generate(prompts, max_new_tokens=2, chat=False)
 
 
 def test_no_prompts_raises(sk):

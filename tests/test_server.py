@@ -172,6 +172,19 @@ def test_unknown_route_and_method_use_the_error_shape(client):
     assert resp.headers["allow"] == "POST"  # the exception's headers survive the handler
 
 
+@pytest.mark.parametrize("path,body,param,where", [
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 1}', "prompt", "prompt holds"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\udfffb"], "max_tokens": 1, "stream": true}', "prompt[1]",
+     "at character 1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
+     "messages", "messages[0].content holds"),
+])
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(client, path, body, param, where):
+    """JSON's "\\ud800" is no character: the tokenizer failed on it with a TypeError (a 500)."""
+    resp = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, param, where, "lone surrogate")
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_an_empty_body_is_named_as_empty(client, path):
     resp = client.post(path, content=b"", headers={"content-type": "application/json"})

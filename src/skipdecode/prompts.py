@@ -82,6 +82,28 @@ def _render_ids(out: Any) -> list[int]:
     return [int(t) for t in out]
 
 
+def _check_text(value: Any, where: str) -> None:
+    """Refuse a lone UTF-16 surrogate (e.g. JSON's ``"\\ud800"``) in any string of ``value`` (a
+    string, or a conversation's nested messages): it is no character, and the tokenizer fails
+    on it with a TypeError.
+
+    Raises:
+        ValueError: naming ``where`` (and the message field) and the character's position.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} holds a lone surrogate {value[e.start]!r} at character {e.start}, "
+                             "which is not text (no UTF-8 encoding)") from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_text(item, f"{where}.{key}")
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat: bool = False, where: str = "prompt") -> list[int]:
     """Token ids (length P, no padding) of one ``prompt`` (see the module docstring).
 
@@ -96,7 +118,8 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat: bool = False, where: 
         The prompt's token ids (tokens), at least one.
 
     Raises:
-        ValueError: a prompt of another type, an empty or blank string, a token id outside
+        ValueError: a prompt of another type, an empty or blank string, a string holding a lone
+            surrogate (not text; the tokenizer would fail on it), a token id outside
             ``[0, len(tokenizer))``, a conversation (or ``chat=True``) with a tokenizer that has
             no chat template, or a prompt that encodes to zero tokens; the message starts
             with ``where``.
@@ -104,6 +127,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat: bool = False, where: 
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where} must be a non-empty string, got {prompt!r}")
+        _check_text(prompt, where)
         if not chat:
             ids = list(tokenizer(prompt)["input_ids"])
         else:
@@ -111,6 +135,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat: bool = False, where: 
     elif is_token_ids(prompt):
         return _check_ids(tokenizer, prompt, where)
     elif is_conversation(prompt):
+        _check_text(prompt, where)
         ids = None
     else:
         raise ValueError(
