@@ -213,6 +213,11 @@ def test_whole_number_sampling_values_sample_as_their_floats(sk):
                            repetition_penalty=2.0)
     assert as_int.token_ids == as_float.token_ids
     assert type(SamplingParams(temperature=1, frequency_penalty=1).temperature) is float
+    np = pytest.importorskip("numpy")
+    as_numpy = sk.generate(PROMPTS, max_new_tokens=8, policy=SKIP, temperature=np.float32(2), top_p=np.float64(1),
+                           seed=np.int64(5), repetition_penalty=np.int32(2))
+    assert as_numpy.token_ids == as_float.token_ids
+    assert SamplingParams(top_k=np.int64(3), seed=np.int64(1)) == SamplingParams(top_k=3, seed=1)
     rows = [SamplingParams(temperature=1, seed=0), SamplingParams(temperature=1.0, seed=0)]
     out = generate(sk.adapter, sk.tokenizer, [PROMPTS[0]] * 2, sampling=rows, policy=SKIP, max_new_tokens=8)
     assert out.token_ids[0] == out.token_ids[1]
@@ -289,6 +294,18 @@ def test_empty_or_blank_prompt_raises_naming_it(sk, prompts, index):
 def test_a_lone_surrogate_is_refused_naming_the_prompt(sk, prompts, where):
     with pytest.raises(ValueError, match=rf"{re.escape(where)} holds a lone surrogate"):
         sk.generate(prompts, max_new_tokens=2, chat=False)
+
+
+@pytest.mark.parametrize("kwargs,words", [({"cohort_size": 0}, "cohort_size must be an integer >= 1"),
+                                          ({"prefix_cache": "x"}, "prefix_cache must be"),
+                                          ({"prefix_cache": -1}, "prefix_cache must be"),
+                                          ({"chat": "no"}, "chat must be True or False")])
+@pytest.mark.parametrize("prompts", ["The Eagle", ["The Eagle", "Describe it."]])
+def test_settings_are_checked_for_one_prompt_as_for_many(sk, kwargs, words, prompts):
+    """One prompt ran as a static batch, where the in-flight settings went unchecked, and
+    ``chat="no"`` counted as True."""
+    with pytest.raises(ValueError, match=words):
+        sk.generate(prompts, max_new_tokens=2, **kwargs)
 
 
 def test_no_prompts_raises(sk):

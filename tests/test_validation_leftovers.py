@@ -66,6 +66,9 @@ def test_check_stop_is_the_rule():
         check_stop("", "--stop")
     with pytest.raises(ValueError, match=r"^stop: stop strings must be strings, got int at position 0"):
         check_stop([3])
+    for raw in (b"x", bytearray(b"x")):  # bytes are a sequence of ints: named as what they are
+        with pytest.raises(ValueError, match=r"^stop: must be a string or a list of strings, got (bytes|bytearray)$"):
+            check_stop(raw)
     assert MAX_STOP_STRINGS == 4
 
 

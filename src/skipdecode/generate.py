@@ -22,6 +22,7 @@ from .forward import skip_forward
 from .limits import check_stop
 from .logprobs import TokenLogprobs, check_logprobs, requested_logprobs
 from .policy import SkipPolicy, check_policy, plan_layers, theoretical_speedup
+from .prefix_cache import prefix_cache_budget
 from .prompts import Prompt, encode_prompt, prompt_list
 from .row_text import RowText  # noqa: F401  (part of this module's API, as before)
 from .sampling import Sampler, SamplingParams, choice_sampling, row_sampling
@@ -608,6 +609,8 @@ def generate(
 
     Raises:
         ValueError: as in :func:`encode_prompts` and :func:`generate_step`; ``max_batch_size`` < 1;
+            ``cohort_size`` not an integer >= 1 or a bad ``prefix_cache``
+            (:func:`~skipdecode.prefix_cache.prefix_cache_budget`), even without ``max_batch_size``;
             ``stop``, ``logprobs`` and ``n`` as in :func:`stream_generate` and ``policy`` as in
             :func:`generate_step` (all checked before anything runs).
     """
@@ -615,6 +618,11 @@ def generate(
     stop = check_stop(stop)
     policy = check_policy(policy, adapter.num_layers)
     check_logprobs(logprobs)
+    # the in-flight settings are checked whether or not they apply (max_batch_size), so a bad
+    # value fails on one prompt as it does on many
+    if isinstance(cohort_size, bool) or not isinstance(cohort_size, int) or cohort_size < 1:
+        raise ValueError(f"cohort_size must be an integer >= 1 (rows), got {cohort_size!r}")
+    prefix_cache_budget(prefix_cache)
     if max_batch_size is not None:
         from .inflight import generate_inflight
 

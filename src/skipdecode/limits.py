@@ -47,7 +47,7 @@ def check_stop(stop: Union[str, Sequence[str], None], name: str = "stop") -> lis
     if stop is None:
         return []
     values = [stop] if isinstance(stop, str) else stop
-    if not isinstance(values, Sequence):
+    if not isinstance(values, Sequence) or isinstance(values, (bytes, bytearray)):
         raise ValueError(f"{name}: must be a string or a list of strings, got {type(stop).__name__}")
     values = list(values)
     if len(values) > MAX_STOP_STRINGS:

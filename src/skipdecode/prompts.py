@@ -118,12 +118,14 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat: bool = False, where: 
         The prompt's token ids (tokens), at least one.
 
     Raises:
-        ValueError: a prompt of another type, an empty or blank string, a string holding a lone
+        ValueError: ``chat`` not a bool, a prompt of another type, an empty or blank string, a string holding a lone
             surrogate (not text; the tokenizer would fail on it), a token id outside
             ``[0, len(tokenizer))``, a conversation (or ``chat=True``) with a tokenizer that has
             no chat template, or a prompt that encodes to zero tokens; the message starts
             with ``where``.
     """
+    if not isinstance(chat, bool):  # "no" would count as True
+        raise ValueError(f"chat must be True or False, got {chat!r}")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where} must be a non-empty string, got {prompt!r}")

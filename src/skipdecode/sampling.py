@@ -10,6 +10,7 @@ runs are reproducible.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -39,6 +40,16 @@ PENALTY_RANGE = (-2.0, 2.0)
 #: The range of ``repetition_penalty``: > 0 in Hugging Face and vLLM; bounded here so that a penalised
 #: logit stays finite in float32 (dividing by 1e-38 overflows, and sampling then fails).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def _is_real(value: object) -> bool:
+    """A real number that is not a bool: Python's int and float, NumPy's scalars (``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    """An integer that is not a bool: Python's int, NumPy's integer scalars (``numbers.Integral``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 #: The fields stored as float whatever number type they were given as (``temperature=1`` is 1.0).
@@ -73,8 +84,8 @@ class SamplingParams:
         The penalties change the logits before greedy choice and before the warpers; a row's
         history is its own prompt (without padding) and its own generated tokens.
 
-    The number fields take ints as their floats (``temperature=1`` is stored as 1.0); booleans
-    are refused.
+    The number fields take ints and NumPy scalars as their floats (``temperature=1`` is stored as
+    1.0), ``top_k`` and ``seed`` NumPy integers as ints; booleans are refused.
 
     Raises:
         ValueError: a field is out of range or not a number (the message names it).
@@ -90,26 +101,29 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 <= self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+            not _is_integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
         ):  # one range for the API, the CLI and the server (skipdecode.limits)
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64) or None, got {self.seed!r}")
         rp, (lo, hi) = self.repetition_penalty, REPETITION_PENALTY_RANGE
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not lo <= rp <= hi:
+        if not _is_real(rp) or not lo <= rp <= hi:
             raise ValueError(f"repetition_penalty must be a number in [{lo:g}, {hi:g}] (1: off), got {rp!r}")
         low, high = PENALTY_RANGE
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+            if not _is_real(v) or not low <= v <= high:
                 raise ValueError(f"{name} must be a number in [{low:g}, {high:g}] (0: off), got {v!r}")
-        for name in _FLOAT_FIELDS:  # a whole number counts as its float (Hugging Face's warpers refuse ints)
+        for name in _FLOAT_FIELDS:  # a whole or NumPy number counts as its float (HF's warpers refuse ints)
             object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "top_k", int(self.top_k))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
