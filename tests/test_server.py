@@ -139,6 +139,8 @@ def test_chat_schema_errors_name_the_nested_field(client):
 def test_broken_json_is_400_with_null_param(client, path):
     resp = client.post(path, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_openai_error(resp, 400, None, "not valid JSON")
+    resp = client.post(path, content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400, None, "not valid JSON", "UTF-8")  # FastAPI said "There was an error parsing the body"
     resp = client.post(path, json=["not", "an", "object"])
     assert_openai_error(resp, 400, None, "body: ")
     assert "content-type" not in resp.json()["error"]["message"]  # a JSON body of the wrong shape: no hint

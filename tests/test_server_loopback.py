@@ -354,6 +354,7 @@ def test_full_queue_answers_429_in_openai_shape(serial_server):
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "rate_limit_error"
     assert "max_waiting" in err["message"] and resp.headers["retry-after"] == "1"
+    assert "1 request waits for 1 running slot (max_waiting 1)" in err["message"]  # not "1 requests wait ... 1 slots"
 
 
 def test_server_process_runs_on_uvloop_with_the_stack_uvicorn_options_names(server):

@@ -124,7 +124,8 @@ class Scheduler:
             waiting = len(self._inbox) + len(self.engine.waiting)
             if waiting + len(requests) > self.max_waiting + len(self.engine.free_slots):
                 raise QueueFull(
-                    f"the server is busy: {waiting} requests wait for one of {self.max_batch_size} slots "
+                    f"the server is busy: {waiting} request{'s' * (waiting != 1)} wait{'s' * (waiting == 1)} "
+                    f"for {self.max_batch_size} running slot{'s' * (self.max_batch_size != 1)} "
                     f"(max_waiting {self.max_waiting}); retry later"
                 )
             for r in requests:

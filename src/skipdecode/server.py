@@ -232,7 +232,9 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     """An HTTP error (an :class:`APIError`, an unknown route) in OpenAI's shape, its headers kept."""
     _count_refusal(request.app, request.url.path, exc.status_code)  # 400s and 429s
     message = exc.detail if isinstance(exc.detail, str) else dumps(exc.detail)
-    if exc.status_code == 405 and not isinstance(exc, APIError):  # Starlette's "Method Not Allowed"
+    if exc.status_code == 400 and message == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
+        message = "the request body is not valid JSON (it could not be decoded: send UTF-8 text)"
+    elif exc.status_code == 405 and not isinstance(exc, APIError):  # Starlette's "Method Not Allowed"
         message = f"{request.method} is not allowed on {request.url.path}; it takes {(exc.headers or {}).get('Allow', '')}"
     elif exc.status_code == 404 and not isinstance(exc, APIError):  # Starlette's "Not Found": an unknown route
         message = (f"{request.url.path} is not a route of this server (/v1/completions, /v1/chat/completions, "
