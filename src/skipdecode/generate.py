@@ -201,7 +201,7 @@ def _check_inputs(adapter: Adapter, input_ids: torch.Tensor, attention_mask: tor
     Raises:
         ValueError: naming the argument at fault and what it must be.
     """
-    if not isinstance(adapter, Adapter):
+    if not all(hasattr(adapter, a) for a in ("check_context", "num_layers", "model", "run_layer")):  # or a proxy of one
         hint = " (a SkipModel's is model.adapter)" if hasattr(adapter, "adapter") else ""
         raise ValueError(f"adapter must be a model's Adapter (skipdecode.get_adapter(model)){hint}, "
                          f"got {type(adapter).__name__}")
