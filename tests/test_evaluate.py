@@ -95,6 +95,15 @@ def test_evaluate_end_to_end_report(sk, items_file, monkeypatch):
     assert skip.decode_speedup == pytest.approx(full.step_seconds / skip.step_seconds)
 
 
+def test_rows_report_the_batch_that_ran_when_items_are_fewer(sk, items_file):
+    """Two items at batch_size 8 ran as one batch of 2: the rows (and the table's batch column)
+    say 2, not the setting; the run's record keeps the setting."""
+    items = load_eval_items(items_file)[:2]
+    report = evaluate(sk, items, [2.0], batch_size=8, max_new_tokens=4, stop=(), warmup=False)
+    assert [r.batch_size for r in report.rows] == [2, 2]
+    assert report.meta["batch_size"] == 8
+
+
 def test_inflight_eval_same_generations_and_row_step_speedup(sk, items_file):
     """--inflight: every item through one in-flight engine per policy; greedy outputs equal the
     static batches', the theoretical speedup counts each item's own decode steps."""

@@ -37,7 +37,8 @@ class EvalRow:
         kind: ``"skipdecode"`` or ``"calm"``.
         reference: True for the full-depth row wall-clock speedups are measured against.
         reference_policy: name of this row's reference row (same model).
-        batch_size: prompts per generation call.
+        batch_size: prompts per generation call (the largest batch that ran: the setting, or the
+            number of items when they are fewer; the run's setting is in ``Report.meta``).
         num_layers: L (layers).
         n_items: items generated.
         scores: metric name -> score (0-100).

@@ -173,8 +173,9 @@ def evaluate(
                              inflight=inflight, sort_by_length=sort_by_length, cohort_size=cohort_size,
                              prefix_cache=prefix_cache)
     metrics, quality = _checked_metrics(TASKS[task], metrics)
-    entries, plan = _planned_models(models, policies, horizon, batch_size, calm_thresholds, calm_min_layers,
-                                    calm_models)
+    # the rows' batch size is the largest batch that ran: fewer items than batch_size make one smaller batch
+    entries, plan = _planned_models(models, policies, horizon, min(batch_size, len(items)), calm_thresholds,
+                                    calm_min_layers, calm_models)
     progress_ = Progress(progress, len(entries) * len(settings.batches))
     rows, model_info, device = run_models(entries, settings, plan, progress_)
     _score(rows, items, metrics)
