@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import row_product
 from .bench_llamacpp import llamacpp_batched_row, llamacpp_row
 from .quantize import QUANTIZE_MODES, quantize_model, resident_bytes
 
@@ -270,6 +271,7 @@ def run_variants(
             "dtype": str(next(variant.model.parameters()).dtype).removeprefix("torch."),
             "resident_bytes": resident_bytes(variant.model),
             "compile_report": report.to_dict() if report is not None else None,
+            "row_product": row_product.record(variant.model),
         }
         if i == 0:
             result["meta"] = part["meta"]

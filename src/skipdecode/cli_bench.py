@@ -228,6 +228,10 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
         comp = v["compile_report"]
         extra = "" if comp is None else (f" | compile {comp['compile_seconds']:.1f} s (batch 1 and 8, before timing)"
                                          if comp["enabled"] else f" | compile unavailable: {comp['error']}")
+        rp = v.get("row_product")
+        if rp is not None:
+            extra += (" | few-row products: " + ("F.linear" if rp["one_row_linear"] else "weight-first") + " at 1 row, "
+                      + ("F.linear" if rp["few_rows_linear"] else "weight-first") + f" at 2-127 ({rp['source']})")
         err.print(f"{name}: resident weights {rb['total'] / 1e6:.0f} MB ({rb['quantized'] / 1e6:.0f} MB quantized){extra}",
                   markup=False, highlight=False)
     err.print(f"issue 11 targets: {dumps(result['issue_targets'])} | results: {path}", markup=False, highlight=False)

@@ -37,12 +37,17 @@ def model_info(sk: Any) -> dict[str, Any]:
     builds where the model has no schedule of its own for that speedup; not the default schedule's),
     ``chat``, ``quantize`` (``"int8"``/``"int4"`` or None), ``dtype`` (of the float weights, e.g.
     ``"float32"``), ``skip_adapter`` (None without one),
-    ``entry_bridge`` (None without one) and ``skip_config`` (the checkpoint's ``skipdecode.json``
-    without the ``skip_adapter`` entry, which is reported on its own)."""
+    ``entry_bridge`` (None without one), ``row_product`` (the few-row float32 products chosen for
+    this host, :func:`skipdecode.row_product.record`; None without float32 CPU layers) and
+    ``skip_config`` (the checkpoint's ``skipdecode.json`` without the ``skip_adapter`` entry,
+    which is reported on its own)."""
+    from .row_product import record as row_product_record
+
     return {"source": sk.source, "model_type": sk.model.config.model_type, "num_layers": sk.num_layers,
             "policy": sk.policy.to_dict(), "speedup_horizon": sk.horizon, "chat": sk.chat, "quantize": sk.quantize,
             "dtype": str(getattr(sk.model, "dtype", "")).replace("torch.", ""),
             "skip_adapter": sk.skip_config.get("skip_adapter"), "entry_bridge": _entry_bridge_info(sk),
+            "row_product": row_product_record(sk.model),
             "skip_config": {k: v for k, v in sk.skip_config.items() if k != "skip_adapter"}}
 
 
@@ -177,5 +182,18 @@ def info_lines(record: dict[str, Any]) -> list[str]:
     lines += _generic_lines(record, trained)
     lines += _adapter_lines(record.get("skip_adapter"))
     lines.append(_bridge_line(record.get("entry_bridge")))
+    lines += _row_product_lines(record.get("row_product"))
     lines.append("full record:     skipdecode info --json")
     return lines
+
+
+def _row_product_lines(choice: dict[str, Any] | None) -> list[str]:
+    """The ``few-row products:`` line of :func:`info_lines` for a
+    :func:`skipdecode.row_product.record` (none without one)."""
+    if choice is None:
+        return []
+    name = {True: "F.linear", False: "weight-first"}
+    how = {"measured": f"timed on {choice['sample_mb']:g} MB of the weights, {choice['threads']} threads",
+           "env": "SKIPDECODE_ROW_PRODUCT", "default": "default: too few weights to time"}.get(choice["source"], choice["source"])
+    return [f"few-row products: {name[choice['one_row_linear']]} at 1 row, {name[choice['few_rows_linear']]} at 2-127 rows "
+            f"({how})"]

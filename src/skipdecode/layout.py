@@ -21,6 +21,12 @@ eager calls keep the GEMM. In the decode-speed benchmark a static batch of 8 dec
 (benchmarks/results/decode_speed_weightleft.json against column-major weights, same host; the
 serving cells: docs/serving.md; docs/quantization.md "Weight layout").
 
+Which BLAS call is fastest for a few rows depends on the CPU (MKL picks its kernels by vendor): on
+a 2-core Intel Xeon (stop 64) ``F.linear``'s one-row GEMV streams the weights at 21 GB/s and the
+weight-first GEMM at 8.6, so :func:`weight_left` times both on the model's weights once per process
+(:mod:`skipdecode.row_product`) and its layers run ``F.linear`` for one row and for 2-127 rows where
+that is faster.
+
 :func:`weight_left` turns every CPU float32 ``nn.Linear`` into a :class:`WeightLeftLinear` in
 place: same parameters (row-major, contiguous), ``state_dict`` keys, tying and hooks, so results
 equal ``F.linear``'s up to float32 summation order (about 1e-6 relative). :func:`row_major` undoes
@@ -140,7 +146,9 @@ class WeightLeftLinear(nn.Linear):
     is a poor GEMM (measured in the module docstring). A single input row is padded to two:
     MKL's two-column GEMM streams the weight faster than its GEMV. Traced by ``torch.compile``
     (:func:`torch.compiler.is_compiling`), a single row is ``(x * W).sum(-1)`` instead: inductor
-    fuses it into one reduction loop over the weight (module docstring). With ``onednn`` set
+    fuses it into one reduction loop over the weight (module docstring). Eagerly, where this host's
+    BLAS is faster as ``F.linear`` (``one_row_linear``, ``few_rows_linear``, set by
+    :func:`weight_left` from :mod:`skipdecode.row_product`), one row and 2-127 rows run it. With ``onednn`` set
     (:func:`skipdecode.onednn.enable`, done by ``compile=True``), products of 3 or more rows go
     to oneDNN's prepacked weight instead (:mod:`skipdecode.onednn`). Otherwise products of
     :data:`LINEAR_MIN_ROWS` or more rows (prefills) run ``F.linear``.
@@ -154,6 +162,11 @@ class WeightLeftLinear(nn.Linear):
     #: oneDNN's packed copy of the weight (held in ``_onednn_packed``)
     onednn: bool = False
     _onednn_packed = None
+    #: set by :func:`weight_left` from :func:`skipdecode.row_product.choose`: eager one-row products
+    #: run ``F.linear`` (MKL's GEMV) instead of the weight-first GEMM padded to two columns
+    one_row_linear: bool = False
+    #: the same for 2 to LINEAR_MIN_ROWS - 1 rows (also below oneDNN's MIN_ROWS in compiled graphs)
+    few_rows_linear: bool = False
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the packed oneDNN weight out (a copy has its own weight)."""
@@ -175,10 +188,12 @@ class WeightLeftLinear(nn.Linear):
         if self.onednn and not one:  # oneDNN's packed weight from MIN_ROWS rows (skipdecode.onednn)
             y = torch.ops.skipdecode.onednn_linear(x2, w, self.bias)
             return y.reshape(*x.shape[:-1], w.shape[0])
+        if (self.one_row_linear if one else self.few_rows_linear) or x2.shape[0] >= LINEAR_MIN_ROWS:
+            # this host's BLAS is faster as F.linear (skipdecode.row_product), or a prefill, where
+            # F.linear is as fast and its output row-major
+            return F.linear(x, w, self.bias)
         if one:
             x2 = torch.cat([x2, x2])  # a real copy: a stride-0 expand would make MKL copy per call, slower
-        if x2.shape[0] >= LINEAR_MIN_ROWS:  # a prefill: F.linear is as fast, and its output row-major
-            return F.linear(x, w, self.bias)
         y = torch.mm(w, x2.t()).t()
         if one:
             y = y[:1]
@@ -192,12 +207,22 @@ def weight_left(model: nn.Module) -> int:
     layers are left alone) a :class:`WeightLeftLinear`, in place, with its weight row-major
     (contiguous; a column-major one from :func:`column_major` is re-laid). Parameters, tying
     (a head tied to the input embedding keeps sharing it) and ``state_dict`` keys are unchanged;
-    :func:`row_major` undoes it.
+    :func:`row_major` undoes it. Each layer gets this host's few-row products
+    (:func:`skipdecode.row_product.choose`, timed on these weights once per process: where
+    ``F.linear`` is faster, as with MKL on Intel CPUs, one-row and few-row products run it); the
+    choice is kept in ``model.skipdecode_row_product`` (a
+    :class:`~skipdecode.row_product.RowProduct`).
 
     Returns:
         The number of modules changed.
+
+    Raises:
+        skipdecode.row_product.RowProductError: ``SKIPDECODE_ROW_PRODUCT`` holds an unknown value.
     """
-    changed = 0
+    from .row_product import choose, env_choice
+
+    env_choice()  # a bad SKIPDECODE_ROW_PRODUCT fails before any layer changes
+    changed = []
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
@@ -208,5 +233,11 @@ def weight_left(model: nn.Module) -> int:
             with torch.no_grad():
                 weight.data = weight.data.contiguous()
         module.__class__ = WeightLeftLinear
-        changed += 1
-    return changed
+        changed.append(module)
+    if changed:
+        choice = choose([m.weight for m in changed])
+        model.skipdecode_row_product = choice
+        for module in changed:
+            module.one_row_linear = choice.one_row_linear
+            module.few_rows_linear = choice.few_rows_linear
+    return len(changed)

@@ -366,8 +366,12 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
 
     if quantize in (None, "head"):  # float decoder layers ("head" then replaces the head alone)
         from .layout import weight_left
+        from .row_product import RowProductError
 
-        weight_left(sk.model)
+        try:
+            weight_left(sk.model)
+        except RowProductError as err:
+            raise LoadError(str(err)) from None
     try:
         if quantize is not None:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)

@@ -101,14 +101,17 @@ _LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (M, K) float32, weight (N, K), bias (N,) or None ->
     (M, N): from :data:`MIN_ROWS` rows through the packed copy of ``weight`` that :func:`enable`
-    made, below it (or when there is no copy) weight-first as :class:`~skipdecode.layout.WeightLeftLinear`
-    computes it. The CPU kernel of ``torch.ops.skipdecode.onednn_linear``. The row count is
+    made, below it (or when there is no copy) as :class:`~skipdecode.layout.WeightLeftLinear`
+    computes it (weight-first, or ``F.linear`` where its layer's ``few_rows_linear`` says so). The CPU kernel of ``torch.ops.skipdecode.onednn_linear``. The row count is
     decided here, inside the opaque op, so that a compiled graph holds no guard on it (a guard
     would compile the layers again for every batch size on either side of :data:`MIN_ROWS`)."""
     packed = _packed_for(weight) if x.shape[0] >= MIN_ROWS else None
     if packed is None:
+        owner = _OWNERS.get(weight.data_ptr())
+        if not weight.is_contiguous() or (owner is not None and owner.few_rows_linear):
+            return F.linear(x, weight, bias)  # this host's BLAS is faster so (skipdecode.row_product)
         # contiguous, as the fake kernel promises: compiled code reads the result with its strides
-        y = torch.mm(weight, x.t()).t().contiguous() if weight.is_contiguous() else F.linear(x, weight)
+        y = torch.mm(weight, x.t()).t().contiguous()
         return y if bias is None else y + bias
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
