@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import typer
 from torch import nn
+from typer.testing import CliRunner
 
 from conftest import make_model, make_tokenizer
 from skipdecode import SkipModel, load, onednn, row_product
+from skipdecode.cli_common import command_line
 from skipdecode.layout import WeightLeftLinear, weight_left
 from skipdecode.load_errors import LoadError
 from skipdecode.policy import LinearDecayPolicy
@@ -182,3 +185,20 @@ def test_two_row_products_below_onednn_follow_the_choice(monkeypatch):
         y = torch.ops.skipdecode.onednn_linear(x, net[0].weight, net[0].bias)
         assert y.is_contiguous() and bool(calls) is linear
         torch.testing.assert_close(y, real(x, net[0].weight, net[0].bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_forced_product_leads_the_recorded_command(monkeypatch):
+    """Benchmarks record their command; a forced product changes what it measures, so it is part of it."""
+    app = typer.Typer()
+
+    @app.command()
+    def bench(ctx: typer.Context, threads: int = typer.Option(1, "--threads")):
+        print(command_line(ctx))
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--threads", "2"], prog_name="bench").output.strip() == "skipdecode bench --threads 2"
+    monkeypatch.setenv(ENV_VAR, "weight-first")
+    got = runner.invoke(app, ["--threads", "2"], prog_name="bench").output.strip()
+    assert got == f"{ENV_VAR}=weight-first skipdecode bench --threads 2"
+    monkeypatch.setenv(ENV_VAR, "auto")
+    assert runner.invoke(app, [], prog_name="bench").output.strip() == "skipdecode bench"

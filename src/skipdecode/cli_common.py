@@ -4,6 +4,7 @@ here and in the command modules only; the library never prints."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -328,8 +329,14 @@ def command_line(ctx: typer.Context) -> str:
 
     Rebuilt from click's context rather than ``sys.argv``, so it is right however the command was
     invoked (console script, ``python -m``, tests); options left at their defaults are omitted.
+    A ``SKIPDECODE_ROW_PRODUCT`` set in the environment (:mod:`skipdecode.row_product`) leads it,
+    since it changes what the command measures.
     """
-    parts = ["skipdecode", ctx.info_name or ""]
+    from .row_product import ENV_VAR
+
+    forced = os.environ.get(ENV_VAR, "").strip()
+    parts = [f"{ENV_VAR}={forced}"] if forced and forced.lower() != "auto" else []
+    parts += ["skipdecode", ctx.info_name or ""]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         if value is None or value == param.default or value in ([], ()):
