@@ -102,9 +102,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for x (M, K) float32, weight (N, K), bias (N,) or None ->
     (M, N): from :data:`MIN_ROWS` rows through the packed copy of ``weight`` that :func:`enable`
     made, below it (or when there is no copy) as :class:`~skipdecode.layout.WeightLeftLinear`
-    computes it (weight-first, or ``F.linear`` where its layer's ``few_rows_linear`` says so). The CPU kernel of ``torch.ops.skipdecode.onednn_linear``. The row count is
-    decided here, inside the opaque op, so that a compiled graph holds no guard on it (a guard
-    would compile the layers again for every batch size on either side of :data:`MIN_ROWS`)."""
+    computes it (weight-first, or ``F.linear`` where its layer's ``few_rows_linear`` says so). The
+    CPU kernel of ``torch.ops.skipdecode.onednn_linear``. The row count is decided here, inside
+    the opaque op, so that a compiled graph holds no guard on it (a guard would compile the layers
+    again for every batch size on either side of :data:`MIN_ROWS`)."""
     packed = _packed_for(weight) if x.shape[0] >= MIN_ROWS else None
     if packed is None:
         owner = _OWNERS.get(weight.data_ptr())
