@@ -28,6 +28,23 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(row_product, "_MEASURED", {})
 
 
+def _spy_on_f_linear(monkeypatch, module) -> list:
+    """Make ``module``'s ``F`` count its ``F.linear`` calls; returns the list of calls."""
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(F, name)
+
+        @staticmethod
+        def linear(*args):
+            calls.append(1)
+            return F.linear(*args)
+
+    monkeypatch.setattr(module, "F", Spy())
+    return calls
+
+
 def _fake_times(monkeypatch, linear: dict[int, float], first: dict[int, float]):
     def fake(product, weights, rows, repeats):
         return (linear if product is F.linear else first)[rows]
@@ -117,21 +134,9 @@ def test_layers_run_the_chosen_product(monkeypatch, rows, linear):
     layer.one_row_linear = layer.few_rows_linear = linear
     import skipdecode.layout as layout
 
-    calls = []
-    real = F.linear
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(F, name)
-
-        @staticmethod
-        def linear(*args):
-            calls.append(1)
-            return real(*args)
-
-    monkeypatch.setattr(layout, "F", Spy())
+    calls = _spy_on_f_linear(monkeypatch, layout)
     x = torch.randn(rows, 24)
-    torch.testing.assert_close(layer(x), real(x, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-6, rtol=1e-5)
     assert bool(calls) is linear
 
 
@@ -165,26 +170,14 @@ def test_two_row_products_below_onednn_follow_the_choice(monkeypatch):
     net = nn.Sequential(nn.Linear(24, 40))
     net[0].__class__ = WeightLeftLinear
     onednn.enable(net)
-    calls = []
-    real = F.linear
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(F, name)
-
-        @staticmethod
-        def linear(*args):
-            calls.append(1)
-            return real(*args)
-
-    monkeypatch.setattr(mod, "F", Spy())
+    calls = _spy_on_f_linear(monkeypatch, mod)
     x = torch.randn(2, 24)
     for linear in (False, True):
         net[0].few_rows_linear = linear
         calls.clear()
         y = torch.ops.skipdecode.onednn_linear(x, net[0].weight, net[0].bias)
         assert y.is_contiguous() and bool(calls) is linear
-        torch.testing.assert_close(y, real(x, net[0].weight, net[0].bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, F.linear(x, net[0].weight, net[0].bias), atol=1e-5, rtol=1e-5)
 
 
 def test_a_forced_product_leads_the_recorded_command(monkeypatch):
