@@ -232,6 +232,11 @@ def test_cli_bench_last_line_is_json(tiny, tmp_path, monkeypatch):
     assert [(r["batch_size"], r["policy"]) for r in last["profile"]["rows"]] == [(1, "full"), (1, "2x")]
     saved = json.loads(out.read_text())
     assert saved["rows"] == last["rows"]
+    assert saved["meta"] == last["meta"]  # the printed line is the file's record (repo-relative paths)
+    # the few-row product it timed (a tiny model: the untimed default), in the JSON and on stderr
+    assert saved["meta"]["row_product"]["source"] == "default" and not saved["meta"]["row_product"]["one_row_linear"]
+    assert ("few-row product: weight-first at 1 row, weight-first at 2-127 rows (default: too few weights to time)"
+            in " ".join(res.stderr.split()))
     # the exact command is recorded, so the run can be repeated; defaults are left out
     assert saved["meta"]["command"].startswith(f"skipdecode bench --model {ckpt} --batch-sizes 1,2 --speedups 2")
     assert "--repeats 1" in saved["meta"]["command"] and "--horizon" not in saved["meta"]["command"]

@@ -17,7 +17,7 @@ from skipdecode.cli_common import command_line
 from skipdecode.layout import WeightLeftLinear, weight_left
 from skipdecode.load_errors import LoadError
 from skipdecode.policy import LinearDecayPolicy
-from skipdecode.row_product import ENV_VAR, FEW_ROWS, MARGIN, RowProductError, choose, measure
+from skipdecode.row_product import ENV_VAR, FEW_ROWS, MARGIN, RowProduct, RowProductError, choose, describe, measure
 
 PROMPTS = ["The Eagle is a", "Blue Spice serves French food in the city centre"]
 
@@ -112,16 +112,39 @@ def test_environment_forces_a_product(monkeypatch, value, linear):
 
 
 def test_a_bad_environment_value_is_named_and_load_fails_cleanly(monkeypatch, tmp_path):
+    """The value as set is quoted, a near miss gets a hint, and load() refuses it before reading
+    anything, whatever its other options (quantized models never consult the choice)."""
     monkeypatch.setenv(ENV_VAR, "gemv")
-    with pytest.raises(RowProductError, match=f"{ENV_VAR} must be one of auto, weight-first, linear; got 'gemv'"):
+    with pytest.raises(RowProductError, match=f"{ENV_VAR} must be one of auto, weight-first, linear; got 'gemv'$"):
+        choose([torch.randn(4, 4)])
+    monkeypatch.setenv(ENV_VAR, " GEMV")
+    with pytest.raises(RowProductError, match="got ' GEMV'$"):
+        choose([torch.randn(4, 4)])
+    monkeypatch.setenv(ENV_VAR, "weight_first")
+    with pytest.raises(RowProductError, match=r"got 'weight_first' \(did you mean 'weight-first'\?\)"):
         choose([torch.randn(4, 4)])
     net = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(RowProductError):
         weight_left(net)
     assert type(net[0]) is nn.Linear  # nothing changed before the error
     SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(tmp_path / "tiny")
-    with pytest.raises(LoadError, match=ENV_VAR):
-        load(str(tmp_path / "tiny"))
+    for kwargs in ({}, {"quantize": "int8"}, {"dtype": "bfloat16"}):
+        with pytest.raises(LoadError, match=ENV_VAR):
+            load(str(tmp_path / "tiny"), **kwargs)
+    with pytest.raises(LoadError, match=ENV_VAR):  # before looking for the model
+        load(str(tmp_path / "no-such-model"))
+
+
+def test_the_choice_in_words():
+    """What skipdecode info and bench print for each way the choice was made."""
+    measured = RowProduct(one_row_linear=True, few_rows_linear=False, source="measured", threads=2,
+                          sample_mb=256.5).as_dict()
+    assert describe(measured) == ("F.linear at 1 row, weight-first at 2-127 rows "
+                                  "(timed on 256.5 MB of the weights, 2 threads)")
+    forced = RowProduct(one_row_linear=True, few_rows_linear=True, source="env").as_dict()
+    assert describe(forced) == f"F.linear at 1 row, F.linear at 2-127 rows (forced: {ENV_VAR}=linear)"
+    assert describe(RowProduct().as_dict()).endswith("(default: too few weights to time)")
+    assert describe(None) == ""
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])

@@ -28,6 +28,7 @@ from .cli_common import (
     read_prompts_file,
 )
 from .jsonio import dumps
+from .paths import portable_record
 
 #: The policy fields a benchmark's ValueError may name -> bench's options (e.g. a speedup the model
 #: cannot reach: "--speedups must be <= 15.00 for a model of 30 layers ...").
@@ -98,6 +99,9 @@ def bench(
             )
     except ValueError as e:
         fail(as_option_error(e, BENCH_POLICY_OPTIONS))
+    from .row_product import record
+
+    result["meta"]["row_product"] = record(sk.model)
     _report_float_bench(ctx, result, output, plot, profile)
 
 
@@ -178,12 +182,16 @@ def _report_float_bench(ctx, result: dict, output: Path, plot: bool, profile: bo
                    f"{' and '.join(map(str, checked))}: {t['wall_over_theoretical_met']}" if checked
                    else "wall/theoretical: not checked (it needs batch 1 or 8 and a speedup that skips a layer)")
     hf = t["full_not_slower_than_hf"]
+    if result["meta"].get("row_product") is not None:
+        from .row_product import describe
+
+        err.print(f"few-row product: {describe(result['meta']['row_product'])}", markup=False, highlight=False)
     err.print(
         f"[dim]targets: ours-full no slower than HF: {'n/a (--no-hf)' if hf is None else hf} | {wall_target} | "
         f"results: {escape(str(path))}[/]",
         highlight=False,
     )
-    print(dumps(result), flush=True)
+    print(dumps(portable_record(result)), flush=True)  # as written: repo-relative paths
 
 
 def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, output, plot, bench_kwargs) -> None:
@@ -192,6 +200,7 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
 
     from . import bench as B
     from . import bench_engines as E
+    from .row_product import describe as describe_row_product
 
     sk = load_model(model, device, dtype, adapter=adapter)
     try:
@@ -228,11 +237,9 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
         comp = v["compile_report"]
         extra = "" if comp is None else (f" | compile {comp['compile_seconds']:.1f} s (batch 1 and 8, before timing)"
                                          if comp["enabled"] else f" | compile unavailable: {comp['error']}")
-        rp = v.get("row_product")
-        if rp is not None:
-            extra += (" | few-row products: " + ("F.linear" if rp["one_row_linear"] else "weight-first") + " at 1 row, "
-                      + ("F.linear" if rp["few_rows_linear"] else "weight-first") + f" at 2-127 ({rp['source']})")
+        if v.get("row_product") is not None:
+            extra += f" | few-row product: {describe_row_product(v['row_product'])}"
         err.print(f"{name}: resident weights {rb['total'] / 1e6:.0f} MB ({rb['quantized'] / 1e6:.0f} MB quantized){extra}",
                   markup=False, highlight=False)
     err.print(f"issue 11 targets: {dumps(result['issue_targets'])} | results: {path}", markup=False, highlight=False)
-    print(dumps(result), flush=True)
+    print(dumps(portable_record(result)), flush=True)  # as written: repo-relative paths

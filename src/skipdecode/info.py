@@ -187,13 +187,10 @@ def info_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+
 def _row_product_lines(choice: dict[str, Any] | None) -> list[str]:
-    """The ``few-row products:`` line of :func:`info_lines` for a
+    """The ``few-row product:`` line of :func:`info_lines` for a
     :func:`skipdecode.row_product.record` (none without one)."""
-    if choice is None:
-        return []
-    name = {True: "F.linear", False: "weight-first"}
-    how = {"measured": f"timed on {choice['sample_mb']:g} MB of the weights, {choice['threads']} threads",
-           "env": "SKIPDECODE_ROW_PRODUCT", "default": "default: too few weights to time"}.get(choice["source"], choice["source"])
-    return [f"few-row products: {name[choice['one_row_linear']]} at 1 row, {name[choice['few_rows_linear']]} at 2-127 rows "
-            f"({how})"]
+    from .row_product import describe
+
+    return [] if choice is None else [f"few-row product: {describe(choice)}"]

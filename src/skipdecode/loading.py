@@ -27,6 +27,7 @@ from .model import SKIP_CONFIG_NAME, SkipModel, apply_umask
 from .peft_compat import quiet_peft_checkpointing_warning
 from .policy import policy_from_dict
 from .quantize import QuantizeError, check_quantize, quantize_model
+from .row_product import RowProductError, env_choice
 from .skip_config import SkipConfigError, read_skip_config, verify_weights
 
 __all__ = ["DEFAULT_MODEL", "embedded_gguf_path", "load", "LoadError"]
@@ -207,6 +208,12 @@ def load(
             ``SkipModel.compile_report`` holds the compile time or, where compilation is
             unavailable, why it fell back to eager.
 
+    Float32 CPU linear layers get this host's few-row products: which of ``F.linear`` and the
+    weight-first GEMM streams the weights faster for a decode step's rows is timed on the model's
+    weights once per process (about 0.8 s for the embedded model; not for models under 32 MB) and
+    kept in ``SkipModel.model.skipdecode_row_product``; the environment variable
+    ``SKIPDECODE_ROW_PRODUCT=weight-first|linear`` forces one (:mod:`skipdecode.row_product`).
+
     Returns:
         :class:`SkipModel`.
 
@@ -224,7 +231,8 @@ def load(
             False or None (names ``chat``), or ``policy`` is not None or a policy object or is for
             another layer count (names ``policy``, :func:`skipdecode.policy.check_policy`; checked
             once the model is read), or a ``device`` this machine does not have
-            (:func:`check_device`).
+            (:func:`check_device`), or ``SKIPDECODE_ROW_PRODUCT`` is set to a value other than
+            auto, weight-first or linear (checked before anything is read).
         skipdecode.adapters.UnsupportedArchitectureError: unsupported ``model_type``.
     """
     torch_dtype = _check_load_options(adapter, device, dtype, quantize, compile, chat)
@@ -253,6 +261,10 @@ def _check_load_options(adapter: Any, device: str | torch.device, dtype: str | t
         raise LoadError(f"chat must be True, False or None (None: when the tokenizer has a chat template), "
                         f"got {chat!r}")
     check_device(device)
+    try:
+        env_choice()  # SKIPDECODE_ROW_PRODUCT, read by weight_left() once the model is loaded
+    except RowProductError as err:
+        raise LoadError(str(err)) from None
     torch_dtype = _resolve_dtype(dtype)
     if torch_dtype == torch.bfloat16:
         warn_if_slow_bfloat16("dtype='bfloat16'")
@@ -366,12 +378,8 @@ def _accelerate(sk: SkipModel, quantize: str | None, compile: bool | str, unmerg
 
     if quantize in (None, "head"):  # float decoder layers ("head" then replaces the head alone)
         from .layout import weight_left
-        from .row_product import RowProductError
 
-        try:
-            weight_left(sk.model)
-        except RowProductError as err:
-            raise LoadError(str(err)) from None
+        weight_left(sk.model)
     try:
         if quantize is not None:
             quantize_model(sk.model, quantize, layers=sk.adapter.layers)

@@ -3,33 +3,37 @@
 Why. A decode step multiplies a few rows (the running requests) by every weight, a memory-bound
 product, and which BLAS call streams the weights fastest depends on the CPU, because MKL
 dispatches its kernels by vendor. On the 2-core AMD EPYC hosts this project was first measured on
-(PyTorch 2.13, MKL), ``F.linear``'s ``x @ W^T`` over the 211 linears of SmolLM2-135M took 38, 51
-and 69 ms at 2, 4 and 16 rows and the same product taken weight-first, ``(W @ x^T)^T``, 21, 22
-and 43 ms (:mod:`skipdecode.layout`). On a
-2-core Intel Xeon with AMX and AVX-512 (stop 64, 23 GB/s read bandwidth) it is the other way round:
-over the 120 distinct decoder-layer weights of SmolLM2-135M (425 MB) ``F.linear`` takes 20.3 ms at
-one row and 21.5 ms at two (21 and 20 GB/s, MKL's GEMV), the weight-first product 49.6 and 50.6 ms
-(8.6 and 8.4 GB/s); at 4, 8 and 16 rows 34, 42 and 47 ms against 49, 51 and 51. An eager batch-1
-decode step of the embedded model took twice as long weight-first (11.5 against 22 tokens/s).
+(PyTorch 2.13, MKL), a pass of ``F.linear``'s ``x @ W^T`` over the 211 linears of SmolLM2-135M
+(the LM head included) took 38, 51 and 69 ms at 2, 4 and 16 rows and the same products taken
+weight-first, ``(W @ x^T)^T``, 21, 22 and 43 ms (:mod:`skipdecode.layout`). On a 2-core Intel
+Xeon with AMX and AVX-512 (stop 64, 23 GB/s read bandwidth) it is the other way round: a pass over
+the model's 120 distinct decoder-layer weights (425 MB; the head left out) took 20.3 ms at one row
+and 21.5 ms at two with ``F.linear`` (21 and 20 GB/s, MKL's GEMV) against 49.6 and 50.6 ms
+weight-first (8.6 and 8.4 GB/s), and 34, 42 and 47 ms against 49, 51 and 51 at 4, 8 and 16 rows.
+The embedded model's eager batch-1 decode step there ran at 11.2 tokens/s weight-first and 23.3
+with ``F.linear`` (``benchmarks/results/decode_speed_intel_*_stop64.json``).
 
 So :func:`choose` times both products on the model's own weights, once per process and thread
 count, and :func:`skipdecode.layout.weight_left` sets the winner on every layer it makes weight-first
 (:class:`~skipdecode.layout.WeightLeftLinear`'s ``one_row_linear`` and ``few_rows_linear``). Two
 decisions: one row (``F.linear``'s GEMV against the weight-first GEMM padded to two columns) and
-2 to 127 rows (the times at :data:`FEW_ROWS` rows summed). ``F.linear`` is chosen only when
-it is at least :data:`MARGIN` faster, so hosts where the two are close keep the weight-first
-default. Products inside compiled graphs are not affected (one row is a fused reduction there,
+2 to 127 rows (the times at :data:`FEW_ROWS` rows summed). ``F.linear`` is chosen only when its
+time is at most :data:`MARGIN` (0.9) of the weight-first product's, at least 10 % faster, so hosts
+where the two are close keep the weight-first default. Products inside compiled graphs are not affected (one row is a fused reduction there,
 :mod:`skipdecode.layout`, and from :data:`skipdecode.onednn.MIN_ROWS` rows oneDNN's packed
 weight), except two-row products, which follow the few-row choice. Results equal ``F.linear``'s up
 to float32 summation order either way.
 
-``SKIPDECODE_ROW_PRODUCT`` (environment) overrides the measurement: ``auto`` (default: measure),
-``weight-first`` or ``linear`` (both decisions), for reproducible timings or a host whose
-measurement is too noisy.
+``SKIPDECODE_ROW_PRODUCT`` (environment) overrides the measurement: ``auto`` (default: measure;
+also when unset or empty), ``weight-first`` or ``linear`` (both decisions), for reproducible
+timings or a host whose measurement is too noisy. Case and surrounding spaces are ignored; any
+other value is refused (:class:`RowProductError`; :func:`skipdecode.load` raises ``LoadError``
+before reading the model, whatever its other options).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,8 +41,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHOICES", "ENV_VAR", "FEW_ROWS", "MARGIN", "MIN_SAMPLE_BYTES", "RowProduct", "RowProductError", "choose",
-           "env_choice", "measure", "record"]
+__all__ = ["CHOICES", "ENV_VAR", "FEW_ROWS", "MARGIN", "MAX_SAMPLE_BYTES", "MIN_SAMPLE_BYTES", "RowProduct",
+           "RowProductError", "choose", "describe", "env_choice", "measure", "record"]
 
 #: the environment variable that overrides the measurement
 ENV_VAR = "SKIPDECODE_ROW_PRODUCT"
@@ -95,9 +99,12 @@ def env_choice() -> str:
     Raises:
         RowProductError: it is not one of :data:`CHOICES`.
     """
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    raw = os.environ.get(ENV_VAR, "")
+    value = raw.strip().lower() or "auto"
     if value not in CHOICES:
-        raise RowProductError(f"{ENV_VAR} must be one of {', '.join(CHOICES)}; got {value!r}")
+        close = difflib.get_close_matches(value.replace("_", "-"), CHOICES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RowProductError(f"{ENV_VAR} must be one of {', '.join(CHOICES)}; got {raw!r}{hint}")
     return value
 
 
@@ -121,7 +128,8 @@ def _pass_ms(product, weights: list[torch.Tensor], rows: int, repeats: int) -> f
 
 def measure(weights: list[torch.Tensor], repeats: int = 3) -> RowProduct:
     """Time ``F.linear`` against the weight-first product over ``weights`` at 1 row and at
-    :data:`FEW_ROWS` rows and choose each where it is :data:`MARGIN` faster (module docstring).
+    :data:`FEW_ROWS` rows, and choose ``F.linear`` for one row, and for 2-127 rows, where its time
+    is at most :data:`MARGIN` of the weight-first product's (module docstring).
 
     Args:
         weights: 2-D contiguous float32 CPU tensors (out_features, in_features), distinct, at least
@@ -152,9 +160,10 @@ def measure(weights: list[torch.Tensor], repeats: int = 3) -> RowProduct:
 
 def choose(weights: list[torch.Tensor]) -> RowProduct:
     """The few-row products for a model whose float32 CPU linear weights are ``weights``: from
-    :data:`ENV_VAR` when it is set to a product, else measured once per process and thread count on
-    the first ``weights`` of at least :data:`MIN_SAMPLE_BYTES` (:func:`measure`, about 0.3-1 s for
-    SmolLM2-135M), else the weight-first default.
+    :data:`ENV_VAR` when it is set to a product; else, when the distinct weights hold at least
+    :data:`MIN_SAMPLE_BYTES`, measured on up to :data:`MAX_SAMPLE_BYTES` of them (:func:`measure`,
+    about 0.8 s for SmolLM2-135M) once per process and thread count, the first such model's
+    measurement serving every later one; else the weight-first default.
 
     Raises:
         RowProductError: :data:`ENV_VAR` is not one of :data:`CHOICES`.
@@ -179,3 +188,20 @@ def record(model: torch.nn.Module) -> dict | None:
     :meth:`RowProduct.as_dict` (None when it has no float32 CPU layers made weight-first)."""
     choice = getattr(model, "skipdecode_row_product", None)
     return None if choice is None else choice.as_dict()
+
+
+def describe(choice: dict | None) -> str:
+    """A :func:`record` in words, for ``skipdecode info`` and ``bench``: ``"F.linear at 1 row,
+    weight-first at 2-127 rows (timed on 256.5 MB of the weights, 2 threads)"``, ``"... (forced:
+    SKIPDECODE_ROW_PRODUCT=linear)"`` or ``"... (default: too few weights to time)"``; ``""`` for
+    None."""
+    if choice is None:
+        return ""
+    name = {True: "F.linear", False: "weight-first"}
+    if choice["source"] == "measured":
+        how = f"timed on {choice['sample_mb']:g} MB of the weights, {choice['threads']} threads"
+    elif choice["source"] == "env":
+        how = f"forced: {ENV_VAR}={'linear' if choice['one_row_linear'] else 'weight-first'}"
+    else:
+        how = "default: too few weights to time"
+    return f"{name[choice['one_row_linear']]} at 1 row, {name[choice['few_rows_linear']]} at 2-127 rows ({how})"
