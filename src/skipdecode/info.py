@@ -187,7 +187,6 @@ def info_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-
 def _row_product_lines(choice: dict[str, Any] | None) -> list[str]:
     """The ``few-row product:`` line of :func:`info_lines` for a
     :func:`skipdecode.row_product.record` (none without one)."""

@@ -19,10 +19,10 @@ count, and :func:`skipdecode.layout.weight_left` sets the winner on every layer 
 decisions: one row (``F.linear``'s GEMV against the weight-first GEMM padded to two columns) and
 2 to 127 rows (the times at :data:`FEW_ROWS` rows summed). ``F.linear`` is chosen only when its
 time is at most :data:`MARGIN` (0.9) of the weight-first product's, at least 10 % faster, so hosts
-where the two are close keep the weight-first default. Products inside compiled graphs are not affected (one row is a fused reduction there,
-:mod:`skipdecode.layout`, and from :data:`skipdecode.onednn.MIN_ROWS` rows oneDNN's packed
-weight), except two-row products, which follow the few-row choice. Results equal ``F.linear``'s up
-to float32 summation order either way.
+where the two are close keep the weight-first default. Products inside compiled graphs are not
+affected (one row is a fused reduction there, :mod:`skipdecode.layout`, and from
+:data:`skipdecode.onednn.MIN_ROWS` rows oneDNN's packed weight), except two-row products, which
+follow the few-row choice. Results equal ``F.linear``'s up to float32 summation order either way.
 
 ``SKIPDECODE_ROW_PRODUCT`` (environment) overrides the measurement: ``auto`` (default: measure;
 also when unset or empty), ``weight-first`` or ``linear`` (both decisions), for reproducible
