@@ -174,7 +174,7 @@ def test_table_puts_llamacpp_rows_after_ours_of_the_same_batch():
     assert "12.50" in lines[3]
 
 
-def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path):
+def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from conftest import make_model, make_tokenizer
@@ -182,7 +182,11 @@ def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path):
     from skipdecode.model import SkipModel
     from test_quantize_cli import invoke
 
+    from skipdecode import bench_llamacpp
+
     gguf, log = fake
+    # the fake llama_cpp lives in this process; a child process (run_isolated) would not see it
+    monkeypatch.setattr(bench_llamacpp, "run_isolated", lambda fn, *args, **kwargs: fn(*args, **kwargs))
     model_dir = tmp_path / "tiny"
     SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(model_dir)
     out = tmp_path / "b.json"
@@ -195,6 +199,53 @@ def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path):
     assert [r["batch_size"] for r in data["llamacpp_batched"]] == [2]
     assert len(data["llamacpp_batched"][0]["token_ids"]) == 2 and log[-1] == 2
     assert data["issue_targets"]["llamacpp_b8_tokens_per_s"] is None  # no batch 8 in this run
+
+
+def test_run_isolated_returns_raises_and_survives_a_crash():
+    """A child process's value comes back, its exception is raised here, and its death (a crash
+    inside llama.cpp) is a LlamaCppCrash naming the signal, not the end of the benchmark."""
+    import os
+
+    from skipdecode.bench_llamacpp import LlamaCppCrash, run_isolated
+
+    assert run_isolated(pow, 2, 10) == 1024
+    with pytest.raises(ValueError, match="invalid literal"):
+        run_isolated(int, "x")
+    with pytest.raises(LlamaCppCrash, match=r"\(signal 6 \(SIGABRT\)\) in abort: a crash inside llama.cpp"):
+        run_isolated(os.abort)
+
+
+def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch):
+    """llama.cpp dying in its process leaves a results file with our rows, the error recorded
+    and printed, and exit status 0."""
+    from typer.testing import CliRunner
+
+    from conftest import make_model, make_tokenizer
+    from skipdecode import bench_llamacpp
+    from skipdecode.cli import app
+    from skipdecode.model import SkipModel
+    from test_quantize_cli import invoke
+
+    def crash(fn, *args, **kwargs):
+        raise bench_llamacpp.LlamaCppCrash("llama.cpp's process ended without a result (signal 11 (SIGSEGV)) "
+                                           "in llamacpp_row: a crash inside llama.cpp")
+
+    monkeypatch.setattr(bench_llamacpp, "run_isolated", crash)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # --llamacpp checks the import
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1000)
+    model_dir = tmp_path / "tiny"
+    SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(model_dir)
+    out = tmp_path / "b.json"
+    res = invoke(CliRunner(), ["bench", "--model", str(model_dir), "--batch-sizes", "1,2", "--speedups", "3",
+                               "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--variants", "float32",
+                               "--llamacpp", str(gguf), "--output", str(out), "--no-plot", "--no-hf"])
+    assert res.exit_code == 0, res.output
+    saved = json.loads(out.read_text())
+    assert {(r["batch_size"], r["policy"]) for r in saved["rows"]} == {(1, "full"), (1, "3x"), (2, "full"), (2, "3x")}
+    assert "SIGSEGV" in saved["llamacpp_error"] and "llamacpp" not in saved and saved["llamacpp_batched"] == []
+    assert saved["issue_targets"]["int4_3x_b1_vs_llamacpp"] is None
+    assert "warning: --llamacpp: llama.cpp's process ended" in " ".join(res.stderr.split())
 
 
 @pytest.mark.slow

@@ -16,12 +16,64 @@ warm-up, as for our rows (:mod:`skipdecode.bench`). ``bytes_per_step`` is the GG
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["llamacpp_row", "llamacpp_batched_row"]
+__all__ = ["LlamaCppCrash", "llamacpp_row", "llamacpp_batched_row", "run_isolated"]
+
+
+class LlamaCppCrash(RuntimeError):
+    """llama.cpp's child process ended without a result (a crash inside llama.cpp)."""
+
+
+def _child(conn, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Run ``fn`` in the child and send back ``("ok", value)`` or ``("error", exception)``."""
+    try:
+        conn.send(("ok", fn(*args, **kwargs)))
+    except BaseException as exc:  # sent back and raised in the parent
+        try:
+            conn.send(("error", exc))
+        except Exception:  # an exception that does not pickle
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+    finally:
+        conn.close()
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a fresh child process (``spawn``), so that a crash inside
+    llama.cpp cannot end the benchmark and lose the rows it already timed. On a 2-core Intel Xeon
+    with AMX (stop 64) llama.cpp died with a general protection fault inside ``libggml-cpu`` when
+    run in the benchmark's process after PyTorch's compiled variants, and decoded normally in a
+    process of its own. ``fn`` must be importable (a module-level function); its exceptions are
+    raised here.
+
+    Raises:
+        LlamaCppCrash: the child ended without a result; the message gives its exit code or signal.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args, kwargs), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        kind, value = receive.recv()
+    except EOFError:
+        proc.join()
+        code = proc.exitcode
+        how = (f"signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0
+               else f"exit code {code}")
+        raise LlamaCppCrash(f"llama.cpp's process ended without a result ({how}) in {fn.__name__}: "
+                            "a crash inside llama.cpp") from None
+    finally:
+        receive.close()
+    proc.join()
+    if kind == "error":
+        raise value
+    return value
 
 
 def _floor(row: dict[str, Any], size: int, bandwidth_gbs: float | None) -> dict[str, Any]:

@@ -194,6 +194,36 @@ def _report_float_bench(ctx, result: dict, output: Path, plot: bool, profile: bo
     print(dumps(portable_record(result)), flush=True)  # as written: repo-relative paths
 
 
+def _llamacpp_rows(result: dict, gguf: str, bench_kwargs: dict, threads: int) -> None:
+    """Add llama.cpp's rows (``llamacpp``, ``llamacpp_batched``) to ``result``, each decoded in a
+    child process of its own (:func:`skipdecode.bench_llamacpp.run_isolated`). A crash inside
+    llama.cpp keeps our rows: it is recorded as ``llamacpp_error`` and printed, and the run goes on
+    without llama.cpp's remaining rows. Exits 2 (naming ``--llamacpp``) on llama.cpp's own errors."""
+    from . import bench as B
+    from . import bench_llamacpp as L
+
+    prompts, new_tokens, repeats = bench_kwargs["prompts"], bench_kwargs["new_tokens"], bench_kwargs["repeats"]
+    bandwidth = result["bandwidth"]["read_gbs"]
+    result["llamacpp_batched"] = []
+    try:
+        _progress("llama.cpp: batch 1, full depth")
+        result["llamacpp"] = L.run_isolated(L.llamacpp_row, gguf, B.batch_prompts(1, prompts)[0], new_tokens,
+                                            threads, repeats, bandwidth)
+        for b in (b for b in bench_kwargs["batch_sizes"] if b > 1):  # same prompts as our rows of batch b
+            _progress(f"llama.cpp: batch {b}, full depth (low-level llama_decode, {b} sequences)")
+            try:
+                result["llamacpp_batched"].append(L.run_isolated(
+                    L.llamacpp_batched_row, gguf, B.batch_prompts(b, prompts), new_tokens, threads, repeats, bandwidth))
+            except L.LlamaCppCrash:
+                raise
+            except RuntimeError as e:
+                fail(f"--llamacpp: batch {b}: {e}")
+    except L.LlamaCppCrash as e:
+        result["llamacpp_error"] = str(e)
+        err.print(f"warning: --llamacpp: {e}; its remaining rows are left out, ours are kept", markup=False,
+                  highlight=False)
+
+
 def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, output, plot, bench_kwargs) -> None:
     """``skipdecode bench --variants/--quantize/--compile/--llamacpp``: table, files, JSON line."""
     import torch
@@ -208,19 +238,7 @@ def _bench_variants(ctx, model, device, dtype, adapter, variant_list, gguf, outp
     except ValueError as e:
         fail(as_option_error(e, BENCH_POLICY_OPTIONS))
     if gguf is not None:
-        _progress("llama.cpp: batch 1, full depth")
-        prompt = B.batch_prompts(1, bench_kwargs["prompts"])[0]
-        result["llamacpp"] = E.llamacpp_row(gguf, prompt, bench_kwargs["new_tokens"], torch.get_num_threads(),
-                                            bench_kwargs["repeats"], result["bandwidth"]["read_gbs"])
-        result["llamacpp_batched"] = []
-        for b in (b for b in bench_kwargs["batch_sizes"] if b > 1):  # same prompts as our rows of batch b
-            _progress(f"llama.cpp: batch {b}, full depth (low-level llama_decode, {b} sequences)")
-            try:
-                result["llamacpp_batched"].append(E.llamacpp_batched_row(
-                    gguf, B.batch_prompts(b, bench_kwargs["prompts"]), bench_kwargs["new_tokens"],
-                    torch.get_num_threads(), bench_kwargs["repeats"], result["bandwidth"]["read_gbs"]))
-            except RuntimeError as e:
-                fail(f"--llamacpp: batch {b}: {e}")
+        _llamacpp_rows(result, gguf, bench_kwargs, torch.get_num_threads())
     batched8 = next((r for r in result.get("llamacpp_batched", []) if r["batch_size"] == 8), None)
     result["issue_targets"] = E.issue_targets(result["rows"], result.get("llamacpp"), batched8)
     result["meta"]["command"] = command_line(ctx)
