@@ -215,9 +215,10 @@ def test_run_isolated_returns_raises_and_survives_a_crash():
         run_isolated(os.abort)
 
 
-def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGILL"])
+def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch, sig):
     """llama.cpp dying in its process leaves a results file with our rows, the error recorded
-    and printed, and exit status 0."""
+    and printed, and exit status 0; a SIGILL (AMX kernels on these machines) says how to rebuild."""
     from typer.testing import CliRunner
 
     from conftest import make_model, make_tokenizer
@@ -227,7 +228,7 @@ def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch):
     from test_quantize_cli import invoke
 
     def crash(fn, *args, **kwargs):
-        raise bench_llamacpp.LlamaCppCrash("llama.cpp's process ended without a result (signal 11 (SIGSEGV)) "
+        raise bench_llamacpp.LlamaCppCrash(f"llama.cpp's process ended without a result (signal 11 ({sig})) "
                                            "in llamacpp_row: a crash inside llama.cpp")
 
     monkeypatch.setattr(bench_llamacpp, "run_isolated", crash)
@@ -243,7 +244,8 @@ def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     saved = json.loads(out.read_text())
     assert {(r["batch_size"], r["policy"]) for r in saved["rows"]} == {(1, "full"), (1, "3x"), (2, "full"), (2, "3x")}
-    assert "SIGSEGV" in saved["llamacpp_error"] and "llamacpp" not in saved and saved["llamacpp_batched"] == []
+    assert sig in saved["llamacpp_error"] and "llamacpp" not in saved and saved["llamacpp_batched"] == []
+    assert ("rebuild it without AMX" in saved["llamacpp_error"]) is (sig == "SIGILL")
     assert saved["issue_targets"]["int4_3x_b1_vs_llamacpp"] is None
     assert "warning: --llamacpp: llama.cpp's process ended" in " ".join(res.stderr.split())
 

@@ -219,8 +219,10 @@ def _llamacpp_rows(result: dict, gguf: str, bench_kwargs: dict, threads: int) ->
             except RuntimeError as e:
                 fail(f"--llamacpp: batch {b}: {e}")
     except L.LlamaCppCrash as e:
-        result["llamacpp_error"] = str(e)
-        err.print(f"warning: --llamacpp: {e}; its remaining rows are left out, ours are kept", markup=False,
+        hint = ("; a llama.cpp built with AMX kernels stops so on these machines: rebuild it without AMX "
+                "(docs/quantization.md, 'The benchmark')" if "SIGILL" in str(e) else "")
+        result["llamacpp_error"] = f"{e}{hint}"
+        err.print(f"warning: --llamacpp: {e}{hint}; its remaining rows are left out, ours are kept", markup=False,
                   highlight=False)
 
 
