@@ -67,7 +67,7 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         how = (f"signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0
                else f"exit code {code}")
         raise LlamaCppCrash(f"llama.cpp's process ended without a result ({how}) in {fn.__name__}: "
-                            "a crash inside llama.cpp") from None
+                            "a crash inside llama.cpp (its output, if any, is above)") from None
     finally:
         receive.close()
     proc.join()
