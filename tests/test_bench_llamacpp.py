@@ -174,25 +174,31 @@ def test_table_puts_llamacpp_rows_after_ours_of_the_same_batch():
     assert "12.50" in lines[3]
 
 
-def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path, monkeypatch):
+def _bench_with_llamacpp(tmp_path, gguf):
+    """``skipdecode bench --variants float32 --llamacpp GGUF`` on a tiny model at batch 1 and 2:
+    (CLI result, results path)."""
     from typer.testing import CliRunner
 
     from conftest import make_model, make_tokenizer
-    from skipdecode.cli import app
     from skipdecode.model import SkipModel
     from test_quantize_cli import invoke
 
-    from skipdecode import bench_llamacpp
-
-    gguf, log = fake
-    # the fake llama_cpp lives in this process; a child process (run_isolated) would not see it
-    monkeypatch.setattr(bench_llamacpp, "run_isolated", lambda fn, *args, **kwargs: fn(*args, **kwargs))
     model_dir = tmp_path / "tiny"
     SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(model_dir)
     out = tmp_path / "b.json"
     res = invoke(CliRunner(), ["bench", "--model", str(model_dir), "--batch-sizes", "1,2", "--speedups", "3",
                                "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--variants", "float32",
                                "--llamacpp", str(gguf), "--output", str(out), "--no-plot", "--no-hf"])
+    return res, out
+
+
+def test_bench_cli_adds_a_llamacpp_row_per_batch_size(fake, tmp_path, monkeypatch):
+    from skipdecode import bench_llamacpp
+
+    gguf, log = fake
+    # the fake llama_cpp lives in this process; a child process (run_isolated) would not see it
+    monkeypatch.setattr(bench_llamacpp, "run_isolated", lambda fn, *args, **kwargs: fn(*args, **kwargs))
+    res, out = _bench_with_llamacpp(tmp_path, gguf)
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert data["llamacpp"]["batch_size"] == 1
@@ -219,13 +225,7 @@ def test_run_isolated_returns_raises_and_survives_a_crash():
 def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch, sig):
     """llama.cpp dying in its process leaves a results file with our rows, the error recorded
     and printed, and exit status 0; a SIGILL (AMX kernels on these machines) says how to rebuild."""
-    from typer.testing import CliRunner
-
-    from conftest import make_model, make_tokenizer
     from skipdecode import bench_llamacpp
-    from skipdecode.cli import app
-    from skipdecode.model import SkipModel
-    from test_quantize_cli import invoke
 
     def crash(fn, *args, **kwargs):
         raise bench_llamacpp.LlamaCppCrash(f"llama.cpp's process ended without a result (signal 11 ({sig})) "
@@ -235,12 +235,7 @@ def test_bench_cli_keeps_our_rows_when_llamacpp_crashes(tmp_path, monkeypatch, s
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # --llamacpp checks the import
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\0" * 1000)
-    model_dir = tmp_path / "tiny"
-    SkipModel(make_model("llama"), make_tokenizer()).save_pretrained(model_dir)
-    out = tmp_path / "b.json"
-    res = invoke(CliRunner(), ["bench", "--model", str(model_dir), "--batch-sizes", "1,2", "--speedups", "3",
-                               "--new-tokens", "4", "--repeats", "1", "--warmup", "0", "--variants", "float32",
-                               "--llamacpp", str(gguf), "--output", str(out), "--no-plot", "--no-hf"])
+    res, out = _bench_with_llamacpp(tmp_path, gguf)
     assert res.exit_code == 0, res.output
     saved = json.loads(out.read_text())
     assert {(r["batch_size"], r["policy"]) for r in saved["rows"]} == {(1, "full"), (1, "3x"), (2, "full"), (2, "3x")}
